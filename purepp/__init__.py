@@ -1,0 +1,1 @@
+"""purepp: pipeline- and data-parallel coordination as pure functions over immutable state."""

@@ -1,0 +1,289 @@
+"""The effect vocabulary: inert, comparable data that says what to do on devices.
+
+Pure steps return effects; interpreters (torch, recorder, simulator) give them
+meaning. Device buffers, events, async work, streams and communicators appear only
+as symbolic references, so a step never touches a tensor. Every effect carries the
+decode step it belongs to and the operation that emitted it, so a log of effects
+reads like a flight recorder.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TypeAlias
+
+import attrs
+import numpy as np
+
+from purepp.effects.arrays import IntArray, array_field
+
+__all__ = [
+    "Alias",
+    "Allocate",
+    "AllReduce",
+    "Broadcast",
+    "BufferRef",
+    "Communicator",
+    "CopyHostToDevice",
+    "DType",
+    "Effect",
+    "EventRef",
+    "GatherRows",
+    "Op",
+    "PadColumns",
+    "RecordEvent",
+    "RecordStream",
+    "Release",
+    "ScatterRows",
+    "StackRows",
+    "Stream",
+    "WaitEvent",
+    "WaitStream",
+    "WaitWork",
+    "WorkRef",
+    "COLLECTIVES",
+]
+
+
+class Stream(enum.Enum):
+    """A device stream. MAIN is the runner's current stream; RELAY the relay's side stream."""
+
+    MAIN = "main"
+    RELAY = "relay"
+
+
+class Communicator(enum.Enum):
+    """A process group. The relay has its own so it never queues behind activations."""
+
+    PP_RELAY = "pp_relay"  # sibling device group over the PP ranks, relay traffic only
+    DP_CPU = "dp_cpu"  # CPU (gloo) group over the DP ranks, the agreement table
+    PP_CPU = "pp_cpu"  # CPU (gloo) group over the PP ranks, an agreement across stages
+
+
+class DType(enum.Enum):
+    INT64 = "int64"
+    INT32 = "int32"
+    BOOL = "bool"
+
+
+class Op(enum.Enum):
+    """The pure operation that emitted an effect."""
+
+    START_STEP = "start_step"
+    RECEIVE = "receive"
+    BROADCAST = "broadcast"
+    BROADCAST_DRAFTS = "broadcast_drafts"
+    CONSUME = "consume"
+    AGREE = "agree"
+
+
+@attrs.frozen
+class BufferRef:
+    """Names a device (or, for the DP table, host) tensor in the interpreter's environment."""
+
+    name: str
+
+
+@attrs.frozen
+class EventRef:
+    """Names a recorded device event."""
+
+    name: str
+
+
+@attrs.frozen
+class WorkRef:
+    """Names the handle of an asynchronous collective."""
+
+    name: str
+
+
+@attrs.frozen(kw_only=True)
+class WaitStream:
+    """`stream` waits for all work queued so far on `waits_for`."""
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    stream: Stream  # the stream that waits
+    waits_for: Stream  # the stream whose queued work it waits for
+
+
+@attrs.frozen(kw_only=True)
+class RecordEvent:
+    """Record `event` on `stream` after the work queued so far."""
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    stream: Stream  # stream the event is recorded on
+    event: EventRef  # name the event is bound to
+
+
+@attrs.frozen(kw_only=True)
+class WaitEvent:
+    """`stream` waits until `event` has completed."""
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    stream: Stream  # the stream that waits
+    event: EventRef  # the event it waits for
+
+
+@attrs.frozen(kw_only=True)
+class Allocate:
+    """Allocate an uninitialised buffer in `stream`'s allocation pool."""
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    buffer: BufferRef  # name the new tensor is bound to
+    shape: tuple[int, ...]  # its shape
+    dtype: DType  # its dtype
+    stream: Stream  # the stream whose pool owns it
+
+
+@attrs.frozen(kw_only=True)
+class CopyHostToDevice:
+    """Copy a read-only host array to a new device buffer without blocking the host."""
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    source: IntArray = array_field(np.int32)  # the host values (read-only int32)
+    buffer: BufferRef  # name the new device tensor is bound to
+    stream: Stream  # stream the copy is queued on
+
+
+@attrs.frozen(kw_only=True)
+class Broadcast:
+    """Broadcast `buffer` from global rank `src` over `comm`; receivers overwrite theirs."""
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    buffer: BufferRef  # the send buffer on `src`, the receive buffer elsewhere
+    shape: tuple[int, ...]  # wire shape: must be equal on every rank of `comm`
+    dtype: DType  # wire dtype: must be equal on every rank of `comm`
+    src: int  # global rank of the sender
+    comm: Communicator  # process group it runs over
+    stream: Stream  # stream it is queued on
+
+
+@attrs.frozen(kw_only=True)
+class AllReduce:
+    """Sum-all-reduce a host int32 table over `comm`; this rank contributes `contribution`.
+
+    With `work` set the collective is issued asynchronously and a later `WaitWork`
+    completes it; otherwise it completes before the next effect.
+    """
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    contribution: IntArray = array_field(np.int32)  # this rank's table (others' columns zero)
+    result: BufferRef  # name the reduced host table is bound to
+    comm: Communicator  # process group it runs over
+    work: WorkRef | None  # async handle name, or None for a synchronous all-reduce
+
+
+@attrs.frozen(kw_only=True)
+class WaitWork:
+    """Block until the asynchronous collective behind `work` has completed."""
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    work: WorkRef  # the handle to wait on
+
+
+@attrs.frozen(kw_only=True)
+class RecordStream:
+    """Mark `buffer` as used on `stream`, so its memory outlives that use (record_stream)."""
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    buffer: BufferRef  # a buffer allocated on another stream
+    stream: Stream  # the stream that uses it
+
+
+@attrs.frozen(kw_only=True)
+class Release:
+    """Drop the environment's reference to `buffer`; the allocator reclaims it stream-safely."""
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    buffer: BufferRef  # the name to unbind
+
+
+@attrs.frozen(kw_only=True)
+class Alias:
+    """Bind `out` to the same tensor as `source` (keep a caller's buffer past its step)."""
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    source: BufferRef  # an existing binding
+    out: BufferRef  # the new name for the same tensor
+
+
+@attrs.frozen(kw_only=True)
+class PadColumns:
+    """`out` = `source` [rows, k] padded on the right to [rows, width] with `fill`."""
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    source: BufferRef  # a 2-D buffer at most `width` wide
+    out: BufferRef  # a new buffer
+    width: int  # columns of `out`
+    fill: int  # value of the added columns
+    stream: Stream  # stream the kernel runs on
+
+
+@attrs.frozen(kw_only=True)
+class StackRows:
+    """`out` = the 1-D `sources` stacked as the rows of a new 2-D buffer."""
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    sources: tuple[BufferRef, ...]  # equal-length 1-D buffers
+    out: BufferRef  # a new [len(sources), n] buffer
+    stream: Stream  # stream the kernel runs on
+
+
+@attrs.frozen(kw_only=True)
+class GatherRows:
+    """`out` = `source[index]`: a new buffer of the indexed rows."""
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    source: BufferRef  # the rows to pick from
+    index: BufferRef  # 1-D row indices
+    out: BufferRef  # a new buffer
+    stream: Stream  # stream the kernel runs on
+
+
+@attrs.frozen(kw_only=True)
+class ScatterRows:
+    """`target[index[i]] = source[i]` for every i with `index[i] != -1`, in place."""
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    source: BufferRef  # rows to write
+    index: BufferRef  # 1-D destination rows, -1 to skip
+    target: BufferRef  # the buffer updated in place
+    stream: Stream  # stream the kernel runs on
+
+
+Effect: TypeAlias = (
+    WaitStream
+    | RecordEvent
+    | WaitEvent
+    | Allocate
+    | CopyHostToDevice
+    | Broadcast
+    | AllReduce
+    | WaitWork
+    | RecordStream
+    | Release
+    | Alias
+    | PadColumns
+    | StackRows
+    | GatherRows
+    | ScatterRows
+)
+
+# Effects that every rank of a communicator must issue in the same order.
+COLLECTIVES: tuple[type[Broadcast] | type[AllReduce], ...] = (Broadcast, AllReduce)
