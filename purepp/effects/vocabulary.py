@@ -37,6 +37,7 @@ __all__ = [
     "ScatterRows",
     "StackRows",
     "Stream",
+    "TensorSpec",
     "WaitEvent",
     "WaitStream",
     "WaitWork",
@@ -75,6 +76,14 @@ class Op(enum.Enum):
     BROADCAST_DRAFTS = "broadcast_drafts"
     CONSUME = "consume"
     AGREE = "agree"
+
+
+@attrs.frozen
+class TensorSpec:
+    """Shape and dtype of a caller's tensor, so a pure step can validate it without touching it."""
+
+    shape: tuple[int, ...]  # the tensor's shape
+    dtype: DType  # its dtype
 
 
 @attrs.frozen
