@@ -12,7 +12,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["IntArray", "BoolArray", "arrays_equal", "readonly", "array_field"]
+__all__ = ["BoolArray", "IntArray", "array_field", "arrays_equal", "readonly"]
 
 IntArray = npt.NDArray[np.int32]
 BoolArray = npt.NDArray[np.bool_]

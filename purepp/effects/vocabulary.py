@@ -18,9 +18,10 @@ import numpy as np
 from purepp.effects.arrays import IntArray, array_field
 
 __all__ = [
+    "COLLECTIVES",
     "Alias",
-    "Allocate",
     "AllReduce",
+    "Allocate",
     "Broadcast",
     "BufferRef",
     "Communicator",
@@ -42,7 +43,6 @@ __all__ = [
     "WaitStream",
     "WaitWork",
     "WorkRef",
-    "COLLECTIVES",
 ]
 
 
@@ -70,12 +70,12 @@ class DType(enum.Enum):
 class Op(enum.Enum):
     """The pure operation that emitted an effect."""
 
-    START_STEP = "start_step"
     RECEIVE = "receive"
     BROADCAST = "broadcast"
     BROADCAST_DRAFTS = "broadcast_drafts"
     CONSUME = "consume"
     AGREE = "agree"
+    END_STEP = "end_step"
 
 
 @attrs.frozen
