@@ -78,6 +78,7 @@ __all__ = [
 ]
 
 # The caller's tensors, bound under these names before the step that reads them.
+# A fresh tensor each step: the ring keeps a reference to it until consumed.
 IDX_MAPPING = BufferRef("input.idx_mapping")  # device [n] int32: batch row -> request slot
 SAMPLED_TOKENS = BufferRef("input.sampled_token_ids")  # last stage: [n, k] int64, k <= spec + 1
 NUM_SAMPLED = BufferRef("input.num_sampled")  # last stage: [n] int32
