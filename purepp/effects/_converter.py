@@ -1,0 +1,351 @@
+"""The effect log's one cattrs converter, and the strict JSON rules it enforces.
+
+Every effect class of the closed union is written as a JSON object tagged with a
+`"kind"` (the class name in snake case, e.g. `"copy_host_to_device"`); enums as
+their values, references as plain strings, tuples as lists, read-only int32 arrays
+as `{"shape": [...], "values": nested lists}`. The shape travels beside the values
+because nested lists alone lose it when a dimension is zero (`[]` could be (0,),
+(0, 3) or (0, 0, 2)), and an idle rank's copy can be empty.
+
+Reading is strict: a log is evidence, so an integer written as `"3"` or `3.0`, a
+`true` where a number belongs, an unknown key or an unknown kind is an error, never
+coerced. Errors come out as cattrs validation errors; `describe_structure_error`
+turns them into one line naming the path of every bad value.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import operator
+import re
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, get_args, get_origin
+
+import cattrs
+import numpy as np
+from cattrs.strategies import configure_tagged_union
+from cattrs.v import format_exception
+
+from purepp.effects.arrays import IntArray, readonly
+from purepp.effects.vocabulary import BufferRef, Effect, EventRef, WorkRef
+from purepp.errors import InvalidInputError, PureppError
+
+__all__ = [
+    "CONVERTER",
+    "EFFECT_CLASSES",
+    "EFFECT_KINDS",
+    "JSONObject",
+    "canonical_json",
+    "describe_structure_error",
+    "freeze_json_object",
+    "kind_of",
+    "thaw_json",
+]
+
+# A free-form JSON object as purepp holds it: nested mappings are read-only
+# proxies and arrays are tuples, so a frozen header stays frozen all the way down.
+JSONObject = Mapping[str, object]
+
+EFFECT_CLASSES: Final[tuple[type[Effect], ...]] = get_args(Effect)
+
+_INT32_MIN: Final = int(np.iinfo(np.int32).min)
+_INT32_MAX: Final = int(np.iinfo(np.int32).max)
+
+
+def _snake_case(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+# kind tag -> effect class, e.g. "all_reduce" -> AllReduce.
+EFFECT_KINDS: Final[Mapping[str, type[Effect]]] = types.MappingProxyType(
+    {_snake_case(cls.__name__): cls for cls in EFFECT_CLASSES}
+)
+_KIND_OF_CLASS: Final[Mapping[type[Effect], str]] = {cls: k for k, cls in EFFECT_KINDS.items()}
+
+
+def kind_of(effect: Effect) -> str:
+    """The `"kind"` tag an effect is written with, e.g. `"broadcast"`."""
+    return _KIND_OF_CLASS[type(effect)]
+
+
+class _BadValue(ValueError):
+    """A value of the right JSON shape but the wrong content; the message says what."""
+
+
+def _show(value: object) -> str:
+    """A short JSON rendering of a rejected value, for error messages."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _json_type(value: object) -> str:
+    match value:
+        case None:
+            return "null"
+        case bool():
+            return "a boolean"
+        case int():
+            return "an integer"
+        case float():
+            return "a number with a fraction"
+        case str():
+            return "a string"
+        case list():
+            return "a list"
+        case dict():
+            return "an object"
+        case _:
+            return type(value).__name__
+
+
+def _expect(what: str, value: object) -> _BadValue:
+    return _BadValue(f"expected {what}, got {_json_type(value)} {_show(value)}")
+
+
+# -- JSON values held in headers ------------------------------------------------
+
+
+def freeze_json_object(value: object, *, call: str = "LogHeader") -> JSONObject:
+    """A deep read-only copy of a JSON object (str keys; no NaN or infinity).
+
+    Raises InvalidInputError naming `call` when `value` is not one.
+    """
+    if not isinstance(value, Mapping):
+        raise InvalidInputError(
+            call, f"config must be a JSON object, got {type(value).__name__}", "pass a dict"
+        )
+    return _freeze_mapping(value, call, "config")
+
+
+def _freeze_mapping(value: Mapping[Any, object], call: str, where: str) -> JSONObject:
+    # Keys sorted, so equal configs are also written byte for byte the same.
+    items: dict[str, object] = {}
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise InvalidInputError(
+                call, f"{where} has a non-string key {key!r}", "use string keys only"
+            )
+        items[key] = _freeze(item, call, f"{where}.{key}")
+    return types.MappingProxyType(dict(sorted(items.items())))
+
+
+def _freeze(value: object, call: str, where: str) -> object:
+    match value:
+        case None | bool() | int() | str():
+            return value
+        case float() if math.isfinite(value):
+            return value
+        case Mapping():
+            return _freeze_mapping(value, call, where)
+        case list() | tuple():
+            return tuple(_freeze(item, call, f"{where}[{i}]") for i, item in enumerate(value))
+        case _:
+            raise InvalidInputError(
+                call,
+                f"{where} holds {value!r}, which JSON cannot represent exactly",
+                "use null, booleans, integers, finite floats, strings, lists and dicts",
+            )
+
+
+def thaw_json(value: object) -> object:
+    """Plain dicts and lists again, ready for `json.dumps`."""
+    match value:
+        case Mapping():
+            return {key: thaw_json(item) for key, item in value.items()}
+        case tuple() | list():
+            return [thaw_json(item) for item in value]
+        case _:
+            return value
+
+
+def canonical_json(value: object) -> str:
+    """One spelling per JSON value, so equal values give byte-identical text.
+
+    `1`, `1.0` and `true` compare equal in Python but are different JSON; two configs
+    are equal exactly when their canonical texts are.
+    """
+    return json.dumps(thaw_json(value), sort_keys=True, ensure_ascii=True, allow_nan=False)
+
+
+# -- structure hooks: strict, JSON type first -----------------------------------
+
+
+def _structure_int(value: object, _: type) -> int:
+    # bool is an int subclass in Python, but `true` in a count field is corruption.
+    if type(value) is not int:
+        raise _expect("an integer", value)
+    return value
+
+
+def _structure_str(value: object, _: type) -> str:
+    if type(value) is not str:
+        raise _expect("a string", value)
+    return value
+
+
+def _structure_enum(value: object, cls: type[enum.Enum]) -> enum.Enum:
+    allowed = [member.value for member in cls]
+    if type(value) is not str or value not in allowed:
+        raise _expect(f"one of {', '.join(map(_show, allowed))}", value)
+    return cls(value)
+
+
+def _structure_ref(cls: type[BufferRef | EventRef | WorkRef]) -> Callable[[object, type], Any]:
+    def structure(value: object, _: type) -> BufferRef | EventRef | WorkRef:
+        return cls(_structure_str(value, str))
+
+    return structure
+
+
+def _is_homogeneous_tuple(tp: Any) -> bool:
+    args = get_args(tp)
+    return get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis
+
+
+def _structure_tuple_factory(
+    tp: Any, converter: cattrs.Converter
+) -> Callable[[object, type], tuple[Any, ...]]:
+    item_type = get_args(tp)[0]
+    as_list = list[item_type]  # type: ignore[valid-type]  # built from a runtime type
+
+    def structure(value: object, _: type) -> tuple[Any, ...]:
+        if type(value) is not list:
+            raise _expect("a list", value)
+        # Through list[...] so a bad item's error carries its index.
+        return tuple(converter.structure(value, as_list))
+
+    return structure
+
+
+def _unstructure_tuple_factory(
+    tp: Any, converter: cattrs.Converter
+) -> Callable[[tuple[Any, ...]], list[Any]]:
+    item_hook = converter.get_unstructure_hook(get_args(tp)[0])
+
+    def unstructure(value: tuple[Any, ...]) -> list[Any]:
+        return [item_hook(item) for item in value]
+
+    return unstructure
+
+
+def _check_nested(values: object, shape: Sequence[int], where: str) -> None:
+    """`values` is a nested list of int32 integers of exactly `shape`."""
+    if not shape:
+        if type(values) is not int or not _INT32_MIN <= values <= _INT32_MAX:
+            raise _expect(f"an int32 integer at {where}", values)
+        return
+    if type(values) is not list or len(values) != shape[0]:
+        raise _expect(f"a list of {shape[0]} at {where} (shape {list(shape)})", values)
+    for i, item in enumerate(values):
+        _check_nested(item, shape[1:], f"{where}[{i}]")
+
+
+def _structure_array(value: object, _: type) -> IntArray:
+    if type(value) is not dict or set(value) != {"shape", "values"}:
+        raise _expect('an array object {"shape": [...], "values": [...]}', value)
+    shape = value["shape"]
+    if type(shape) is not list or not all(type(n) is int and n >= 0 for n in shape):
+        raise _expect("a shape: a list of integers >= 0", shape)
+    _check_nested(value["values"], shape, "values")
+    flat = readonly(value["values"], np.int32).reshape(shape)
+    flat.flags.writeable = False
+    return flat
+
+
+def _unstructure_array(array: IntArray) -> dict[str, object]:
+    return {"shape": list(array.shape), "values": array.tolist()}
+
+
+def _structure_json_object(value: object, _: type) -> JSONObject:
+    if type(value) is not dict:
+        raise _expect("a JSON object", value)
+    return freeze_json_object(value, call="load_log")
+
+
+# -- the effect union -----------------------------------------------------------
+
+
+def _register_effect_union(converter: cattrs.Converter) -> None:
+    """The closed union as a tagged union (cattrs' strategy), checked before dispatch.
+
+    cattrs' own hook answers an unknown or missing tag with a bare KeyError; this
+    wrapper names the tag and the known kinds, and puts `"kind"` first in the output
+    so a log line reads `{"kind": "broadcast", "step": ...}`.
+    """
+    configure_tagged_union(
+        Effect, converter, tag_generator=_KIND_OF_CLASS.__getitem__, tag_name="kind"
+    )
+    dispatch = converter.get_structure_hook(Effect)
+    unstructure_tagged = converter.get_unstructure_hook(Effect)
+
+    def structure(value: object, _: type) -> Effect:
+        if type(value) is not dict:
+            raise _expect("an effect object", value)
+        kind = value.get("kind")
+        if kind not in EFFECT_KINDS:
+            known = ", ".join(sorted(EFFECT_KINDS))
+            what = "no kind" if "kind" not in value else f"unknown kind {_show(kind)}"
+            raise _BadValue(f"effect has {what}; known kinds: {known}")
+        effect: Effect = dispatch(value, Effect)
+        return effect
+
+    def unstructure(effect: Effect) -> dict[str, object]:
+        fields = unstructure_tagged(effect)
+        kind = fields.pop("kind")
+        return {"kind": kind, **fields}
+
+    converter.register_structure_hook(Effect, structure)
+    converter.register_unstructure_hook(Effect, unstructure)
+
+
+def _make_converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    converter.register_structure_hook(int, _structure_int)
+    converter.register_structure_hook(str, _structure_str)
+    # operator.index: a numpy integer in a shape is written as a plain int, a float refused.
+    converter.register_unstructure_hook(int, operator.index)
+    converter.register_structure_hook_func(
+        lambda tp: isinstance(tp, type) and issubclass(tp, enum.Enum), _structure_enum
+    )
+    for ref in (BufferRef, EventRef, WorkRef):
+        converter.register_structure_hook(ref, _structure_ref(ref))
+        converter.register_unstructure_hook(ref, operator.attrgetter("name"))
+    converter.register_structure_hook_func(lambda tp: tp == IntArray, _structure_array)
+    converter.register_unstructure_hook_func(lambda tp: tp == IntArray, _unstructure_array)
+    converter.register_structure_hook_func(lambda tp: tp == JSONObject, _structure_json_object)
+    converter.register_unstructure_hook_func(lambda tp: tp == JSONObject, thaw_json)
+    converter.register_structure_hook_factory(_is_homogeneous_tuple, _structure_tuple_factory)
+    converter.register_unstructure_hook_factory(_is_homogeneous_tuple, _unstructure_tuple_factory)
+    return converter
+
+
+# The one converter: logs, replay, diffs and the checker all read and write through it.
+CONVERTER: Final[cattrs.Converter] = _make_converter()
+_register_effect_union(CONVERTER)
+
+
+# -- errors ---------------------------------------------------------------------
+
+
+def _format_exception(exc: BaseException, tp: type | None) -> str:
+    match exc:
+        case _BadValue():
+            return str(exc)
+        case PureppError():
+            return exc.problem
+        case _:
+            return format_exception(exc, tp)
+
+
+def describe_structure_error(exc: Exception, root: str) -> str:
+    """One line naming every bad value in a failed `CONVERTER.structure` call."""
+    if isinstance(exc, cattrs.BaseValidationError):
+        problems = cattrs.transform_error(exc, path=root, format_exception=_format_exception)
+        return "; ".join(problems)
+    return f"{_format_exception(exc, None)} @ {root}"
