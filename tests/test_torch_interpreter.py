@@ -1,0 +1,515 @@
+"""The torch interpreter's semantics, effect by effect, in one process on CPU.
+
+Collectives run on a real single-rank gloo world (the multi-rank behaviour is in
+test_gloo_interpreter.py). The GPU test at the end checks that a consume-like step
+makes no device-to-host synchronisation; it is skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import TypedDict
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+
+from purepp.effects.torch_interpreter import (
+    TorchInterpreter,
+    build_communicators,
+    init_distributed,
+    torch_dtype,
+)
+from purepp.effects.vocabulary import (
+    Alias,
+    Allocate,
+    AllReduce,
+    Broadcast,
+    BufferRef,
+    Communicator,
+    CopyHostToDevice,
+    DType,
+    Effect,
+    EventRef,
+    GatherRows,
+    Op,
+    PadColumns,
+    RecordEvent,
+    RecordStream,
+    Release,
+    ScatterRows,
+    StackRows,
+    Stream,
+    WaitEvent,
+    WaitStream,
+    WaitWork,
+    WorkRef,
+)
+from purepp.errors import ConfigError, InterpreterError
+from tests.strategies import gather_cases, scatter_cases
+
+CPU = torch.device("cpu")
+
+
+class Tag(TypedDict):
+    step: int
+    op: Op
+
+
+TAG = Tag(step=7, op=Op.CONSUME)
+A, B, C, D = (BufferRef(name) for name in ("a", "b", "c", "d"))
+
+
+@pytest.fixture(scope="module")
+def groups() -> Iterator[dict[Communicator, dist.ProcessGroup]]:
+    """A single-rank gloo world with every communicator, for the whole module."""
+    if dist.is_initialized():
+        pytest.fail("another test left a default process group initialised")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    with tempfile.TemporaryDirectory() as rendezvous:
+        init_distributed(
+            backend="gloo",
+            init_method=f"file://{rendezvous}/store",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=10),
+        )
+        try:
+            yield build_communicators(
+                pp_groups=[[0]],
+                dp_groups=[[0]],
+                relay_backend="gloo",
+                timeout=datetime.timedelta(seconds=10),
+            )
+        finally:
+            dist.destroy_process_group()
+
+
+@pytest.fixture
+def interp(groups: dict[Communicator, dist.ProcessGroup]) -> TorchInterpreter:
+    return TorchInterpreter(device=CPU, groups=groups, rank=0)
+
+
+def values(tensor: torch.Tensor) -> npt.NDArray[np.int64]:
+    return np.asarray(tensor.numpy(), dtype=np.int64)
+
+
+def int64(rows: list[list[int]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+# ---- construction and the environment --------------------------------------------------
+
+
+def test_torch_dtype_maps_every_vocabulary_dtype() -> None:
+    assert [torch_dtype(d) for d in DType] == [torch.int64, torch.int32, torch.bool]
+
+
+def test_build_communicators_gives_the_relay_its_own_group(
+    groups: dict[Communicator, dist.ProcessGroup],
+) -> None:
+    assert set(groups) == set(Communicator)
+    assert groups[Communicator.PP_RELAY] is not groups[Communicator.PP_CPU]
+    assert all(dist.get_process_group_ranks(g) == [0] for g in groups.values())
+
+
+def test_build_communicators_rejects_a_rank_outside_the_world(
+    groups: dict[Communicator, dist.ProcessGroup],
+) -> None:
+    with pytest.raises(ConfigError, match=r"rank 1 outside 0\.\.0"):
+        build_communicators(
+            pp_groups=[[0, 1]],
+            dp_groups=[[0]],
+            relay_backend="gloo",
+            timeout=datetime.timedelta(seconds=1),
+        )
+
+
+def test_a_group_that_excludes_the_rank_is_rejected(
+    groups: dict[Communicator, dist.ProcessGroup],
+) -> None:
+    with pytest.raises(ConfigError, match="exclude rank 1"):
+        TorchInterpreter(device=CPU, groups=groups, rank=1)
+
+
+def test_bind_then_tensor_returns_the_same_tensor(interp: TorchInterpreter) -> None:
+    tensor = torch.arange(3)
+    interp.bind(A, tensor)
+    assert interp.tensor(A) is tensor
+    replacement = torch.arange(4)
+    interp.bind(A, replacement)
+    assert interp.tensor(A) is replacement
+
+
+def test_an_unknown_ref_names_the_effect_and_the_ref(interp: TorchInterpreter) -> None:
+    with pytest.raises(InterpreterError, match=r"Release step=7 op=consume.*'ghost' is not bound"):
+        interp.perform((Release(**TAG, buffer=BufferRef("ghost")),))
+    with pytest.raises(InterpreterError, match="'ghost' is not bound"):
+        interp.tensor(BufferRef("ghost"))
+
+
+def test_host_array_is_a_read_only_copy(interp: TorchInterpreter) -> None:
+    tensor = torch.arange(4, dtype=torch.int32)
+    interp.bind(A, tensor)
+    array = interp.host_array(A)
+    assert not array.flags.writeable
+    tensor[0] = 99
+    assert array.tolist() == [0, 1, 2, 3]
+
+
+@attrs.frozen
+class _Inner:
+    counts: BufferRef
+    note: int
+
+
+@attrs.frozen
+class _Outer:
+    tokens: BufferRef
+    inner: _Inner
+    extra: tuple[BufferRef, ...]
+    event: EventRef
+    missing: BufferRef | None
+
+
+def test_resolve_maps_every_buffer_ref_by_attribute_path(interp: TorchInterpreter) -> None:
+    tensors = {ref: torch.arange(i + 1) for i, ref in enumerate((A, B, C, D))}
+    for ref, tensor in tensors.items():
+        interp.bind(ref, tensor)
+    value = _Outer(
+        tokens=A, inner=_Inner(counts=B, note=3), extra=(C, D), event=EventRef("e"), missing=None
+    )
+    resolved = interp.resolve(value)
+    assert resolved == {
+        "tokens": tensors[A],
+        "inner.counts": tensors[B],
+        "extra[0]": tensors[C],
+        "extra[1]": tensors[D],
+    }
+    assert interp.resolve(None) == {}
+    assert interp.resolve(A) == {"": tensors[A]}
+
+
+def test_resolve_of_an_unbound_ref_is_an_error(interp: TorchInterpreter) -> None:
+    with pytest.raises(InterpreterError, match=r"TorchInterpreter\.resolve.*'a' is not bound"):
+        interp.resolve(_Inner(counts=A, note=0))
+
+
+# ---- streams and events (no-ops on CPU, but names are still checked) -------------------
+
+
+def test_events_are_recorded_once_and_consumed_by_their_wait(interp: TorchInterpreter) -> None:
+    event = EventRef("received")
+    record = RecordEvent(**TAG, stream=Stream.RELAY, event=event)
+    wait = WaitEvent(**TAG, stream=Stream.MAIN, event=event)
+    interp.perform((WaitStream(**TAG, stream=Stream.RELAY, waits_for=Stream.MAIN), record))
+    assert event in interp.bound_refs()
+    with pytest.raises(InterpreterError, match="'received' is already recorded"):
+        interp.perform((record,))
+    interp.perform((wait,))
+    assert interp.bound_refs() == frozenset()
+    with pytest.raises(InterpreterError, match=r"WaitEvent step=7.*'received' is not recorded"):
+        interp.perform((wait,))
+
+
+def test_record_stream_needs_a_bound_buffer(interp: TorchInterpreter) -> None:
+    interp.bind(A, torch.zeros(2))
+    interp.perform((RecordStream(**TAG, buffer=A, stream=Stream.MAIN),))
+    with pytest.raises(InterpreterError, match="'b' is not bound"):
+        interp.perform((RecordStream(**TAG, buffer=B, stream=Stream.MAIN),))
+
+
+def test_cuda_stream_is_an_error_on_cpu(interp: TorchInterpreter) -> None:
+    with pytest.raises(InterpreterError, match="only on a cuda device"):
+        interp.cuda_stream(Stream.MAIN)
+
+
+# ---- buffers -----------------------------------------------------------------------------
+
+
+def test_allocate_binds_a_tensor_of_the_declared_layout(interp: TorchInterpreter) -> None:
+    interp.perform(
+        (Allocate(**TAG, buffer=A, shape=(3, 2), dtype=DType.INT32, stream=Stream.RELAY),)
+    )
+    tensor = interp.tensor(A)
+    assert (tuple(tensor.shape), tensor.dtype, tensor.device) == ((3, 2), torch.int32, CPU)
+
+
+def test_a_new_buffer_never_replaces_a_bound_one(interp: TorchInterpreter) -> None:
+    interp.bind(A, torch.zeros(1))
+    effects: list[Effect] = [
+        Allocate(**TAG, buffer=A, shape=(1,), dtype=DType.INT64, stream=Stream.MAIN),
+        CopyHostToDevice(**TAG, source=np.zeros(1, np.int32), buffer=A, stream=Stream.MAIN),
+        Alias(**TAG, source=A, out=A),
+    ]
+    for effect in effects:
+        with pytest.raises(InterpreterError, match="'a' is already bound"):
+            interp.perform((effect,))
+
+
+def test_copy_host_to_device_copies_the_values(interp: TorchInterpreter) -> None:
+    effect = CopyHostToDevice(
+        **TAG, source=np.array([4, -1, 2], np.int32), buffer=A, stream=Stream.MAIN
+    )
+    interp.perform((effect,))
+    tensor = interp.tensor(A)
+    assert tensor.dtype == torch.int32
+    assert tensor.tolist() == [4, -1, 2]
+    tensor[0] = 0  # the effect's array is the interpreter's to copy, never to share
+    assert effect.source.tolist() == [4, -1, 2]
+
+
+def test_release_drops_the_binding_and_alias_keeps_the_tensor(interp: TorchInterpreter) -> None:
+    tensor = torch.arange(3)
+    interp.bind(A, tensor)
+    interp.perform((Alias(**TAG, source=A, out=B), Release(**TAG, buffer=A)))
+    assert interp.tensor(B) is tensor
+    assert interp.bound_refs() == frozenset({B})
+
+
+# ---- device-side data moves ----------------------------------------------------------------
+
+
+def test_pad_columns_pads_on_the_right_with_fill(interp: TorchInterpreter) -> None:
+    interp.bind(A, int64([[1], [2]]))
+    interp.perform((PadColumns(**TAG, source=A, out=B, width=3, fill=-1, stream=Stream.RELAY),))
+    assert interp.tensor(B).tolist() == [[1, -1, -1], [2, -1, -1]]
+    assert interp.tensor(B).dtype == torch.int64
+
+
+def test_pad_columns_snapshots_even_at_full_width(interp: TorchInterpreter) -> None:
+    source = int64([[1, 2], [3, 4]])
+    interp.bind(A, source)
+    interp.perform((PadColumns(**TAG, source=A, out=B, width=2, fill=0, stream=Stream.RELAY),))
+    source[0, 0] = 9  # the caller may reuse its tensor as soon as the step is issued
+    assert interp.tensor(B).tolist() == [[1, 2], [3, 4]]
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4,)])
+def test_pad_columns_rejects_a_source_it_cannot_pad(
+    interp: TorchInterpreter, shape: tuple[int, ...]
+) -> None:
+    interp.bind(A, torch.zeros(shape, dtype=torch.int64))
+    with pytest.raises(InterpreterError, match="cannot pad to width 3"):
+        interp.perform((PadColumns(**TAG, source=A, out=B, width=3, fill=0, stream=Stream.RELAY),))
+    assert B not in interp.bound_refs()
+
+
+def test_stack_rows_stacks_equal_rows(interp: TorchInterpreter) -> None:
+    interp.bind(A, torch.tensor([1, 2, 3], dtype=torch.int32))
+    interp.bind(B, torch.tensor([0, 1, 0], dtype=torch.int32))
+    interp.perform((StackRows(**TAG, sources=(A, B), out=C, stream=Stream.RELAY),))
+    assert interp.tensor(C).tolist() == [[1, 2, 3], [0, 1, 0]]
+    assert interp.tensor(C).dtype == torch.int32
+
+
+def test_stack_rows_rejects_unequal_rows(interp: TorchInterpreter) -> None:
+    interp.bind(A, torch.zeros(3, dtype=torch.int32))
+    interp.bind(B, torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(InterpreterError, match="1-D buffers of equal length and dtype"):
+        interp.perform((StackRows(**TAG, sources=(A, B), out=C, stream=Stream.RELAY),))
+
+
+@settings(max_examples=50, deadline=None)
+@given(case=gather_cases())
+def test_gather_rows_matches_numpy_indexing(
+    groups: dict[Communicator, dist.ProcessGroup],
+    case: tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]],
+) -> None:
+    interp = TorchInterpreter(device=CPU, groups=groups, rank=0)
+    source, index = case
+    interp.bind(A, torch.from_numpy(source.copy()))
+    interp.bind(B, torch.from_numpy(index.copy()))
+    interp.perform((GatherRows(**TAG, source=A, index=B, out=C, stream=Stream.RELAY),))
+    np.testing.assert_array_equal(values(interp.tensor(C)), source[index])
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=scatter_cases())
+def test_scatter_rows_writes_kept_rows_in_place_and_skips_minus_one(
+    groups: dict[Communicator, dist.ProcessGroup],
+    case: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int32]],
+) -> None:
+    interp = TorchInterpreter(device=CPU, groups=groups, rank=0)
+    target, source, index = case
+    target_tensor = torch.from_numpy(target.copy())
+    interp.bind(A, torch.from_numpy(source.copy()))
+    interp.bind(B, torch.from_numpy(index.copy()))
+    interp.bind(C, target_tensor)
+    interp.perform((ScatterRows(**TAG, source=A, index=B, target=C, stream=Stream.MAIN),))
+    expected = target.copy()
+    for row, slot in enumerate(index):
+        if slot != -1:
+            expected[slot] = source[row]
+    assert interp.tensor(C) is target_tensor
+    np.testing.assert_array_equal(values(target_tensor), expected)
+
+
+def test_scatter_rows_rejects_mismatched_rows_and_leaves_the_target(
+    interp: TorchInterpreter,
+) -> None:
+    target = torch.zeros((4, 2), dtype=torch.int64)
+    interp.bind(A, torch.ones((2, 3), dtype=torch.int64))
+    interp.bind(B, torch.tensor([0, 1], dtype=torch.int32))
+    interp.bind(C, target)
+    with pytest.raises(InterpreterError, match="one source row per index entry"):
+        interp.perform((ScatterRows(**TAG, source=A, index=B, target=C, stream=Stream.MAIN),))
+    assert target.tolist() == [[0, 0]] * 4
+
+
+def test_a_float_index_is_rejected(interp: TorchInterpreter) -> None:
+    interp.bind(A, torch.zeros((2, 2), dtype=torch.int64))
+    interp.bind(B, torch.zeros(2, dtype=torch.float32))
+    with pytest.raises(InterpreterError, match="1-D int32 or int64 index"):
+        interp.perform((GatherRows(**TAG, source=A, index=B, out=C, stream=Stream.MAIN),))
+
+
+# ---- collectives on a single-rank gloo world --------------------------------------------
+
+
+def broadcast(buffer: BufferRef, shape: tuple[int, ...], dtype: DType, src: int = 0) -> Broadcast:
+    return Broadcast(
+        **TAG,
+        buffer=buffer,
+        shape=shape,
+        dtype=dtype,
+        src=src,
+        comm=Communicator.PP_RELAY,
+        stream=Stream.RELAY,
+    )
+
+
+def test_broadcast_from_the_only_rank_keeps_the_values(interp: TorchInterpreter) -> None:
+    interp.bind(A, int64([[5, 6]]))
+    interp.perform((broadcast(A, (1, 2), DType.INT64),))
+    assert interp.tensor(A).tolist() == [[5, 6]]
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"), [((1, 3), DType.INT64), ((2, 1), DType.INT64), ((1, 2), DType.INT32)]
+)
+def test_broadcast_checks_the_wire_layout_before_issuing(
+    interp: TorchInterpreter, shape: tuple[int, ...], dtype: DType
+) -> None:
+    interp.bind(A, int64([[5, 6]]))
+    with pytest.raises(InterpreterError, match=r"is torch\.int64 \(1, 2\) but the wire is"):
+        interp.perform((broadcast(A, shape, dtype),))
+
+
+def test_broadcast_rejects_a_source_outside_the_communicator(interp: TorchInterpreter) -> None:
+    interp.bind(A, int64([[5, 6]]))
+    with pytest.raises(InterpreterError, match=r"source rank 3 is not in communicator pp_relay"):
+        interp.perform((broadcast(A, (1, 2), DType.INT64, src=3),))
+
+
+def test_broadcast_rejects_a_non_contiguous_buffer(interp: TorchInterpreter) -> None:
+    interp.bind(A, int64([[1, 2], [3, 4]])[:, 0])
+    with pytest.raises(InterpreterError, match="not contiguous"):
+        interp.perform((broadcast(A, (2,), DType.INT64),))
+
+
+def test_a_communicator_without_a_group_is_an_error(
+    groups: dict[Communicator, dist.ProcessGroup],
+) -> None:
+    interp = TorchInterpreter(device=CPU, groups={}, rank=0)
+    interp.bind(A, int64([[5, 6]]))
+    with pytest.raises(InterpreterError, match="communicator pp_relay has no process group"):
+        interp.perform((broadcast(A, (1, 2), DType.INT64),))
+
+
+def all_reduce(table: list[list[int]], work: WorkRef | None) -> AllReduce:
+    contribution = np.array(table, dtype=np.int32)
+    return AllReduce(
+        **TAG, contribution=contribution, result=D, comm=Communicator.DP_CPU, work=work
+    )
+
+
+def test_synchronous_all_reduce_binds_the_host_table(interp: TorchInterpreter) -> None:
+    interp.perform((all_reduce([[3], [2], [1], [-1], [4]], None),))
+    table = interp.host_array(D)
+    assert table.dtype == np.int32
+    assert table.tolist() == [[3], [2], [1], [-1], [4]]
+    assert interp.tensor(D).device == CPU
+
+
+def test_async_all_reduce_is_readable_only_after_its_wait(interp: TorchInterpreter) -> None:
+    work = WorkRef("agree")
+    interp.perform((all_reduce([[1], [0], [0], [-1], [1]], work),))
+    with pytest.raises(InterpreterError, match="'agree', which has not been waited on"):
+        interp.host_array(D)
+    with pytest.raises(InterpreterError, match="being written by all-reduce 'agree'"):
+        interp.bind(D, torch.zeros(1))
+    interp.perform((WaitWork(**TAG, work=work),))
+    assert interp.host_array(D).tolist() == [[1], [0], [0], [-1], [1]]
+    assert interp.bound_refs() == frozenset({D})
+    with pytest.raises(InterpreterError, match=r"WaitWork step=7.*'agree' is not in flight"):
+        interp.perform((WaitWork(**TAG, work=work),))
+
+
+# ---- GPU: a steady-state step makes no device-to-host synchronisation -------------------
+
+
+def consume_like_step(step: int, n: int, slots: int, width: int) -> tuple[Effect, ...]:
+    """A receive-then-consume sequence as the relay emits it, with buffers named by step."""
+    tag = Tag(step=step, op=Op.CONSUME)
+
+    def ref(what: str) -> BufferRef:
+        return BufferRef(f"s{step}.{what}")
+
+    event = EventRef(f"s{step}.received")
+    index = np.where(np.arange(n) % 3 == 1, -1, (np.arange(n) * 2) % slots).astype(np.int32)
+    main, relay = Stream.MAIN, Stream.RELAY
+    drafts, rows, table = BufferRef("drafts"), BufferRef("rows"), BufferRef("table")
+    return (
+        WaitStream(**tag, stream=relay, waits_for=main),
+        Allocate(**tag, buffer=ref("tokens"), shape=(n, width), dtype=DType.INT64, stream=relay),
+        GatherRows(**tag, source=drafts, index=rows, out=ref("sent"), stream=relay),
+        PadColumns(**tag, source=ref("sent"), out=ref("padded"), width=width, fill=0, stream=relay),
+        StackRows(**tag, sources=(rows, rows), out=ref("counts"), stream=relay),
+        RecordEvent(**tag, stream=relay, event=event),
+        RecordStream(**tag, buffer=ref("padded"), stream=main),
+        CopyHostToDevice(**tag, source=index, buffer=ref("index"), stream=main),
+        WaitEvent(**tag, stream=main, event=event),
+        ScatterRows(**tag, source=ref("padded"), index=ref("index"), target=table, stream=main),
+        Alias(**tag, source=ref("padded"), out=ref("kept")),
+        *(Release(**tag, buffer=ref(w)) for w in ("tokens", "sent", "padded", "counts", "index")),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_consume_like_step_makes_no_device_to_host_sync() -> None:
+    device = torch.device("cuda", 0)
+    n, slots, width = 6, 12, 3
+    interp = TorchInterpreter(device=device, groups={}, rank=0)
+    interp.bind(
+        BufferRef("drafts"), torch.arange(slots * width, device=device).reshape(slots, width)
+    )
+    interp.bind(BufferRef("rows"), torch.arange(n, dtype=torch.int32, device=device))
+    table = torch.zeros((slots, width), dtype=torch.int64, device=device)
+    interp.bind(BufferRef("table"), table)
+    interp.perform(consume_like_step(0, n, slots, width))  # warm-up: first-use allocations
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(1, 4):
+            interp.perform(consume_like_step(step, n, slots, width))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    index = np.where(np.arange(n) % 3 == 1, -1, (np.arange(n) * 2) % slots)
+    drafts = np.arange(slots * width).reshape(slots, width)
+    expected = np.zeros((slots, width), dtype=np.int64)
+    for row, slot in enumerate(index):
+        if slot != -1:
+            expected[slot] = drafts[row]
+    np.testing.assert_array_equal(values(table.cpu()), expected)
+    assert {r for r in interp.bound_refs() if isinstance(r, BufferRef)} == {
+        BufferRef(name)
+        for name in ("drafts", "rows", "table", "s0.kept", "s1.kept", "s2.kept", "s3.kept")
+    }

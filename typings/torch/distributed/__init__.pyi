@@ -1,0 +1,83 @@
+# Narrow stubs for torch.distributed: process groups and the two collectives purepp issues.
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import ClassVar, Literal, overload
+
+from torch import Tensor, _Device
+
+class DistError(RuntimeError): ...
+class DistBackendError(DistError): ...
+
+class ProcessGroup:
+    def rank(self) -> int: ...
+    def size(self) -> int: ...
+
+class Work:
+    def wait(self, timeout: timedelta = ...) -> bool: ...
+    def is_completed(self) -> bool: ...
+
+class ReduceOp:
+    SUM: ClassVar[ReduceOp]
+    MAX: ClassVar[ReduceOp]
+    MIN: ClassVar[ReduceOp]
+
+class GroupMember:
+    WORLD: ClassVar[ProcessGroup | None]
+    NON_GROUP_MEMBER: ClassVar[int]  # what new_group returns on a rank outside the group
+
+def is_available() -> bool: ...
+def is_initialized() -> bool: ...
+def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: timedelta | None = None,
+    world_size: int = -1,
+    rank: int = -1,
+    group_name: str = "",
+    device_id: _Device | None = None,
+) -> None: ...
+def new_group(
+    ranks: Sequence[int] | None = None,
+    timeout: timedelta | None = None,
+    backend: str | None = None,
+    use_local_synchronization: bool = False,
+    group_desc: str | None = None,
+) -> ProcessGroup | int: ...  # GroupMember.NON_GROUP_MEMBER on a rank outside `ranks`
+def destroy_process_group(group: ProcessGroup | None = None) -> None: ...
+def get_rank(group: ProcessGroup | None = None) -> int: ...
+def get_world_size(group: ProcessGroup | None = None) -> int: ...
+def get_backend(group: ProcessGroup | None = None) -> str: ...
+def get_process_group_ranks(group: ProcessGroup | None) -> list[int]: ...
+@overload
+def broadcast(
+    tensor: Tensor, src: int, group: ProcessGroup | None = None, async_op: Literal[False] = False
+) -> None: ...
+@overload
+def broadcast(
+    tensor: Tensor, src: int, group: ProcessGroup | None = None, *, async_op: Literal[True]
+) -> Work: ...
+@overload
+def all_reduce(
+    tensor: Tensor,
+    op: ReduceOp = ...,
+    group: ProcessGroup | None = None,
+    async_op: Literal[False] = False,
+) -> None: ...
+@overload
+def all_reduce(
+    tensor: Tensor,
+    op: ReduceOp = ...,
+    group: ProcessGroup | None = None,
+    *,
+    async_op: Literal[True],
+) -> Work: ...
+@overload
+def all_reduce(
+    tensor: Tensor, op: ReduceOp = ..., group: ProcessGroup | None = None, *, async_op: bool
+) -> Work | None: ...
+def barrier(
+    group: ProcessGroup | None = None,
+    async_op: Literal[False] = False,
+    timeout: timedelta | None = None,
+) -> None: ...

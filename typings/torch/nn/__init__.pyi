@@ -1,0 +1,3 @@
+# Narrow stubs for torch.nn: only the functional namespace.
+
+from torch.nn import functional as functional
