@@ -1,0 +1,68 @@
+"""A Chrome/Perfetto trace of a run: one process per rank, one track per stream.
+
+Each effect becomes a slice on the track of the stream it runs on (host for
+effects with no stream), named by its kind; collectives show their communicator,
+sequence number, shape, dtype and source in the slice's arguments. On CPU the
+slices time the work itself; on CUDA they time its issue from the host.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+from purepp.effects.interpreter import Interpreter
+from purepp.effects.vocabulary import COLLECTIVES, Broadcast, Effect
+
+__all__ = ["TraceEvent", "Tracer"]
+
+TraceEvent = dict[str, object]
+
+_TRACKS = {"main": 1, "relay": 2, "host": 3}
+
+
+def _track(effect: Effect) -> str:
+    stream = getattr(effect, "stream", None)
+    return "host" if stream is None else str(stream.value)
+
+
+class Tracer:
+    """An interpreter that times every effect `inner` performs and keeps the slices."""
+
+    def __init__(self, *, rank: int, inner: Interpreter) -> None:
+        self.rank = rank
+        self.inner = inner
+        self.events: list[TraceEvent] = [
+            {"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}},
+            *(
+                {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}}
+                for name, tid in _TRACKS.items()
+            ),
+        ]
+        self._sequence: dict[str, int] = {}
+
+    def perform(self, effects: tuple[Effect, ...], /) -> None:
+        for effect in effects:
+            start = time.time_ns()
+            self.inner.perform((effect,))
+            end = time.time_ns()
+            self.events.append(self._slice(effect, start, end))
+
+    def _slice(self, effect: Effect, start_ns: int, end_ns: int) -> TraceEvent:
+        args: dict[str, object] = {"step": effect.step, "op": effect.op.value}
+        if isinstance(effect, COLLECTIVES):
+            comm = effect.comm.value
+            self._sequence[comm] = self._sequence.get(comm, -1) + 1
+            args |= {"comm": comm, "comm_seq": self._sequence[comm]}
+            if isinstance(effect, Broadcast):
+                args |= {"shape": list(effect.shape), "dtype": effect.dtype.value, "src": effect.src}
+        return {
+            "ph": "X",
+            "name": type(effect).__name__,
+            "cat": effect.op.value,
+            "pid": self.rank,
+            "tid": _TRACKS[_track(effect)],
+            "ts": start_ns / 1000,
+            "dur": max((end_ns - start_ns) / 1000, 0.001),
+            "args": args,
+        }
