@@ -1,0 +1,518 @@
+"""Matching collectives across ranks, per communicator instance, in issue order.
+
+NCCL and gloo match collectives by position: the k-th collective a rank issues on
+a communicator meets the k-th collective every other member issues on it, whatever
+its shape. A disagreement is not detected by the library; it hangs or corrupts
+data. This module compares the ranks' sequences itself and, at the first op that
+diverges, says which rank, which communicator instance, which op number, at which
+step and from which operation, and what each side posted.
+
+The same comparison serves two callers: the simulator, online, as ranks post;
+and the log checker, offline, over whole per-rank effect logs
+(`match_collectives`). The report types for runs that cannot make progress
+(`DeadlockReport`, `RingOverrunReport`) live here too, so every report a caller
+may receive is in one place, carried by `CollectiveReportError`.
+
+World layout: with a PP x DP world, global rank = replica * pp + stage. The
+PP_RELAY and PP_CPU groups are the stages of one DP replica; DP_CPU groups are
+the same stage across replicas.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from typing import TypeAlias, assert_never
+
+import attrs
+
+from purepp.effects.vocabulary import (
+    AllReduce,
+    Broadcast,
+    Communicator,
+    DType,
+    Effect,
+    EventRef,
+    Op,
+    Stream,
+)
+from purepp.errors import CollectiveMismatchError, ConfigError, InvalidInputError
+
+__all__ = [
+    "AwaitedCollective",
+    "CollectiveKind",
+    "CollectiveReportError",
+    "CollectiveSignature",
+    "CommInstance",
+    "DeadlockReport",
+    "MismatchField",
+    "MismatchReport",
+    "Report",
+    "RingOverrunReport",
+    "Waiter",
+    "WorldLayout",
+    "check_posts",
+    "match_collectives",
+    "signature_of",
+]
+
+
+def _at_least_one(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value < 1:
+        raise ConfigError("WorldLayout", f"{attribute.name}={value}", f"use {attribute.name} >= 1")
+
+
+@attrs.frozen(kw_only=True)
+class WorldLayout:
+    """A PP x DP world: global rank = replica * pp + stage."""
+
+    pp: int = attrs.field(validator=_at_least_one)  # pipeline stages per replica
+    dp: int = attrs.field(validator=_at_least_one)  # data-parallel replicas
+
+    @property
+    def size(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def ranks(self) -> range:
+        return range(self.size)
+
+    def _check_rank(self, call: str, rank: int) -> None:
+        if not 0 <= rank < self.size:
+            raise InvalidInputError(
+                call,
+                f"rank {rank} is outside 0..{self.size - 1} of a {self.pp} x {self.dp} world",
+                "pass a global rank of this world",
+            )
+
+    def rank(self, *, stage: int, replica: int) -> int:
+        """The global rank of `stage` in DP replica `replica`."""
+        if not (0 <= stage < self.pp and 0 <= replica < self.dp):
+            raise InvalidInputError(
+                "WorldLayout.rank",
+                f"stage={stage}, replica={replica} in a {self.pp} x {self.dp} world",
+                f"use 0 <= stage < {self.pp} and 0 <= replica < {self.dp}",
+            )
+        return replica * self.pp + stage
+
+    def stage_of(self, rank: int) -> int:
+        self._check_rank("WorldLayout.stage_of", rank)
+        return rank % self.pp
+
+    def replica_of(self, rank: int) -> int:
+        self._check_rank("WorldLayout.replica_of", rank)
+        return rank // self.pp
+
+    def group(self, rank: int, comm: Communicator) -> tuple[int, ...]:
+        """Global ranks of the instance of `comm` that `rank` belongs to, ascending."""
+        self._check_rank("WorldLayout.group", rank)
+        stage, replica = rank % self.pp, rank // self.pp
+        match comm:
+            case Communicator.PP_RELAY | Communicator.PP_CPU:
+                return tuple(replica * self.pp + s for s in range(self.pp))
+            case Communicator.DP_CPU:
+                return tuple(d * self.pp + stage for d in range(self.dp))
+            case _:
+                assert_never(comm)
+
+    def instance(self, rank: int, comm: Communicator) -> CommInstance:
+        return CommInstance(comm=comm, group=self.group(rank, comm))
+
+
+@attrs.frozen(kw_only=True)
+class CommInstance:
+    """One instance of a communicator: its kind and its members."""
+
+    comm: Communicator  # which process group
+    group: tuple[int, ...]  # its members' global ranks, ascending
+
+    def describe(self) -> str:
+        return f"{self.comm.value} (ranks {_ranks(self.group)})"
+
+
+class CollectiveKind(enum.Enum):
+    BROADCAST = "broadcast"
+    ALL_REDUCE = "all_reduce"
+
+
+@attrs.frozen(kw_only=True)
+class CollectiveSignature:
+    """What a rank declared for one collective: the fields peers must agree on, and why."""
+
+    kind: CollectiveKind  # broadcast or all-reduce
+    comm: Communicator  # process group it runs over
+    shape: tuple[int, ...]  # wire shape (the table's shape for an all-reduce)
+    dtype: DType  # wire dtype
+    src: int | None  # global rank of the broadcast source; None for an all-reduce
+    step: int  # decode step it belongs to
+    op: Op  # operation that emitted it
+
+    def describe(self) -> str:
+        """E.g. `broadcast [4, 3] int64 from rank 2 (step 3, receive)`."""
+        shape = "[" + ", ".join(str(d) for d in self.shape) + "]"
+        source = "" if self.src is None else f" from rank {self.src}"
+        return (
+            f"{self.kind.value} {shape} {self.dtype.value}{source}"
+            f" (step {self.step}, {self.op.value})"
+        )
+
+
+def signature_of(effect: Broadcast | AllReduce) -> CollectiveSignature:
+    """The signature a collective effect declares."""
+    match effect:
+        case Broadcast():
+            return CollectiveSignature(
+                kind=CollectiveKind.BROADCAST,
+                comm=effect.comm,
+                shape=effect.shape,
+                dtype=effect.dtype,
+                src=effect.src,
+                step=effect.step,
+                op=effect.op,
+            )
+        case AllReduce():
+            return CollectiveSignature(
+                kind=CollectiveKind.ALL_REDUCE,
+                comm=effect.comm,
+                shape=tuple(int(d) for d in effect.contribution.shape),
+                dtype=DType.INT32,
+                src=None,
+                step=effect.step,
+                op=effect.op,
+            )
+        case _:
+            assert_never(effect)
+
+
+class MismatchField(enum.Enum):
+    """A signature field on which two members disagree."""
+
+    KIND = "kind"
+    SRC = "src"
+    STEP = "step"
+    SHAPE = "shape"
+    DTYPE = "dtype"
+
+
+def _differing(a: CollectiveSignature, b: CollectiveSignature) -> tuple[MismatchField, ...]:
+    # The step is compared too: a skipped collective shows up at the step it was
+    # skipped, not as a count mismatch at the end of the run.
+    pairs = (
+        (MismatchField.KIND, a.kind == b.kind),
+        (MismatchField.SRC, a.src == b.src),
+        (MismatchField.STEP, a.step == b.step),
+        (MismatchField.SHAPE, a.shape == b.shape),
+        (MismatchField.DTYPE, a.dtype == b.dtype),
+    )
+    return tuple(field for field, equal in pairs if not equal)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+@attrs.frozen(kw_only=True)
+class MismatchReport:
+    """Two members of a communicator disagree on one op, or one waits for peers in vain.
+
+    Three cases, told apart by the fields:
+    - disagreement: `peer` and `received` are set, `differing` is not empty;
+    - unmatched (count mismatch): `received` is None and `missing` names the members
+      that never posted op `seq`; `rank` posted it and waits;
+    - source outside the group: `differing` is (SRC,), no peer, nothing missing.
+    """
+
+    rank: int  # the rank whose collective disagrees, or that waits for absent peers
+    instance: CommInstance  # the communicator instance both belong to
+    seq: int  # op number within that instance, counted from 0 in issue order
+    expected: CollectiveSignature  # what `rank` posted as op `seq`
+    peer: int | None  # the member it was compared with; None when no peer applies
+    received: CollectiveSignature | None  # what `peer` posted as op `seq`
+    differing: tuple[MismatchField, ...]  # fields that disagree; empty when unmatched
+    missing: tuple[int, ...]  # members that never posted op `seq`
+
+    @property
+    def comm(self) -> Communicator:
+        return self.instance.comm
+
+    @property
+    def group(self) -> tuple[int, ...]:
+        return self.instance.group
+
+    @property
+    def step(self) -> int:
+        """The step of `rank`'s op `seq`."""
+        return self.expected.step
+
+    @property
+    def op(self) -> Op:
+        """The operation that emitted `rank`'s op `seq`."""
+        return self.expected.op
+
+    def render(self) -> str:
+        where = f"op #{self.seq} on {self.instance.describe()}"
+        if self.received is None and self.missing:
+            return "\n".join(
+                (
+                    f"Unmatched collective: {where}",
+                    f"  rank {self.rank} posted   {self.expected.describe()} and waits",
+                    f"  rank(s) {_ranks(self.missing)} never posted op #{self.seq}"
+                    f" on {self.comm.value}",
+                    "  A rank skipped or added a collective: every member must issue the"
+                    " same collectives in the same order.",
+                )
+            )
+        if self.received is None or self.peer is None:
+            return "\n".join(
+                (
+                    f"Broadcast source outside its group: {where}",
+                    f"  rank {self.rank} posted   {self.expected.describe()}",
+                    f"  rank {self.expected.src} is not a member of {self.comm.value}",
+                )
+            )
+        fields = ", ".join(f.value for f in self.differing)
+        return "\n".join(
+            (
+                f"Collective mismatch: {where}",
+                f"  rank {self.rank} expected {self.expected.describe()}",
+                f"  rank {self.peer} posted   {self.received.describe()}",
+                f"  they differ in: {fields}",
+                "  NCCL does not compare these: the run would hang or corrupt data.",
+            )
+        )
+
+    def fix(self) -> str:
+        if self.received is None and self.missing:
+            return "make every member issue this collective at the same step, idle ranks included"
+        if MismatchField.SHAPE in self.differing or MismatchField.DTYPE in self.differing:
+            return "derive wire shapes and dtypes from static configuration shared by all ranks"
+        return "issue the same collectives in the same order on every member of the group"
+
+
+@attrs.frozen(kw_only=True)
+class AwaitedCollective:
+    """A posted collective that cannot complete yet, and who it waits for."""
+
+    instance: CommInstance  # the communicator instance it runs over
+    seq: int  # its op number within that instance
+    signature: CollectiveSignature  # what the waiting rank posted
+    missing: tuple[int, ...]  # members that have not posted op `seq` yet
+
+    def describe(self) -> str:
+        head = f"op #{self.seq} on {self.instance.describe()}: {self.signature.describe()}"
+        if not self.missing:
+            return f"{head}, posted by all members, queued behind other work"
+        return f"{head}, not posted by rank(s) {_ranks(self.missing)}"
+
+
+@attrs.frozen(kw_only=True)
+class Waiter:
+    """A rank that cannot proceed: a stream's stuck head, or a step it may not start yet."""
+
+    rank: int  # the rank that waits
+    stream: Stream | None  # the stuck stream (MAIN: the host waits with it); None: between steps
+    step: int  # step of the effect it waits at, or of the step it may not start
+    op: Op | None  # operation that emitted that effect; None between steps
+    waiting_at: str  # the effect it waits at, in words
+    awaited: AwaitedCollective | None  # the collective the wait comes down to, if any
+    held_back_by: tuple[int, ...] = ()  # slower ranks it may not run ahead of (steps in flight)
+
+    def describe(self) -> str:
+        if self.stream is None:
+            where = "between steps"
+        elif self.stream is Stream.MAIN:
+            where = "host and main stream"
+        else:
+            where = f"{self.stream.value} stream"
+        emitted = "" if self.op is None else f" ({self.op.value})"
+        line = f"rank {self.rank} [{where}] waits at step {self.step}{emitted} on {self.waiting_at}"
+        if self.awaited is not None:
+            line += f"\n      for {self.awaited.describe()}"
+        if self.held_back_by:
+            line += f"\n      until rank(s) {_ranks(self.held_back_by)} complete more steps"
+        return line
+
+
+@attrs.frozen(kw_only=True)
+class DeadlockReport:
+    """No rank can make progress and no collective can complete."""
+
+    waiters: tuple[Waiter, ...]  # every stuck stream and held-back rank, by rank
+    pending: tuple[AwaitedCollective, ...]  # the oldest incomplete collective per instance
+    finished: tuple[int, ...]  # ranks whose program ended
+    steps_completed: tuple[int, ...]  # steps each rank completed, indexed by rank
+
+    def render(self) -> str:
+        lines = ["Deadlock: no rank can make progress and no collective can complete."]
+        lines += [f"  {waiter.describe()}" for waiter in self.waiters]
+        if self.pending:
+            lines.append("  incomplete collectives:")
+            lines += [f"    {awaited.describe()}" for awaited in self.pending]
+        if self.finished:
+            lines.append(f"  finished their program: rank(s) {_ranks(self.finished)}")
+        steps = ", ".join(f"rank {r}: {n}" for r, n in enumerate(self.steps_completed))
+        lines.append(f"  steps completed: {steps}")
+        return "\n".join(lines)
+
+    def fix(self) -> str:
+        return (
+            "make every member of each communicator issue the same collectives in the same"
+            " order; a rank must never wait for a collective that its peers issue later"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class RingOverrunReport:
+    """A receiver consumed a ring entry whose broadcast the sender had not issued yet."""
+
+    rank: int  # the consuming rank
+    step: int  # the step at which it consumes
+    op: Op  # the operation that waits
+    event: EventRef | None  # the event waited on; None for a stream wait
+    awaited: AwaitedCollective  # the relay collective behind the event
+    ring_depth: int  # steps between that collective and the consume
+    max_steps_in_flight: int  # how far ranks of a pipeline may run ahead of each other
+    missing_progress: tuple[tuple[int, int], ...]  # (rank, steps completed) of absent peers
+
+    def render(self) -> str:
+        what = f"event {self.event.name}" if self.event is not None else "the relay stream"
+        progress = ", ".join(
+            f"rank {r} has completed {n} step(s)" for r, n in self.missing_progress
+        )
+        return "\n".join(
+            (
+                f"Ring overrun: rank {self.rank} at step {self.step} ({self.op.value}) waits on"
+                f" {what}",
+                f"  for {self.awaited.describe()}",
+                f"  ({progress}).",
+                f"  The entry was received {self.ring_depth} step(s) before it is consumed,"
+                f" but up to {self.max_steps_in_flight} steps are in flight: the receiver"
+                " runs ahead of the sender's broadcasts.",
+            )
+        )
+
+    def fix(self) -> str:
+        return (
+            f"keep the ring at least as deep as the steps in flight"
+            f" (ring depth {self.ring_depth} < {self.max_steps_in_flight})"
+        )
+
+
+Report: TypeAlias = MismatchReport | DeadlockReport | RingOverrunReport
+
+
+class CollectiveReportError(CollectiveMismatchError):
+    """A `CollectiveMismatchError` that carries the structured report behind its message."""
+
+    def __init__(self, call: str, problem: str, fix: str, *, report: Report) -> None:
+        super().__init__(call, problem, fix)
+        self.report = report
+
+    @classmethod
+    def from_report(cls, call: str, report: Report) -> CollectiveReportError:
+        return cls(call, report.render(), report.fix(), report=report)
+
+
+def check_posts(
+    instance: CommInstance, seq: int, posts: Mapping[int, CollectiveSignature]
+) -> MismatchReport | None:
+    """The first disagreement among the members' op `seq`, given those posted so far.
+
+    The reference is the broadcast's sender when it has posted (a receiver
+    "expected" its own declaration and "received" the sender's), else the
+    lowest-ranked member that posted. Members are compared in ascending order.
+    """
+    members = [r for r in instance.group if r in posts]
+    for rank in members:
+        signature = posts[rank]
+        if signature.src is not None and signature.src not in instance.group:
+            return MismatchReport(
+                rank=rank,
+                instance=instance,
+                seq=seq,
+                expected=signature,
+                peer=None,
+                received=None,
+                differing=(MismatchField.SRC,),
+                missing=(),
+            )
+    senders = [r for r in members if posts[r].src == r]
+    reference = senders[0] if senders else members[0] if members else None
+    if reference is None:
+        return None
+    for rank in members:
+        differing = _differing(posts[rank], posts[reference])
+        if rank != reference and differing:
+            return MismatchReport(
+                rank=rank,
+                instance=instance,
+                seq=seq,
+                expected=posts[rank],
+                peer=reference,
+                received=posts[reference],
+                differing=differing,
+                missing=(),
+            )
+    return None
+
+
+def _first_problem(
+    instance: CommInstance, sequences: Mapping[int, Sequence[CollectiveSignature]]
+) -> MismatchReport | None:
+    longest = max((len(sequences.get(r, ())) for r in instance.group), default=0)
+    for seq in range(longest):
+        posts = {r: sequences[r][seq] for r in instance.group if seq < len(sequences.get(r, ()))}
+        report = check_posts(instance, seq, posts)
+        if report is not None:
+            return report
+        missing = tuple(r for r in instance.group if r not in posts)
+        if missing:
+            waiting = min(posts)
+            return MismatchReport(
+                rank=waiting,
+                instance=instance,
+                seq=seq,
+                expected=posts[waiting],
+                peer=None,
+                received=None,
+                differing=(),
+                missing=missing,
+            )
+    return None
+
+
+_COMM_ORDER = {comm: i for i, comm in enumerate(Communicator)}
+
+
+def match_collectives(
+    per_rank: Mapping[int, Sequence[Effect]], world: WorldLayout
+) -> MismatchReport | None:
+    """Match every rank's collectives per communicator instance, in issue order.
+
+    `per_rank` maps every global rank of `world` to the effects it issued, in
+    order (non-collective effects are ignored). None when every collective
+    matches; otherwise the report of the earliest problem (lowest step, then
+    communicator, then group): a disagreement on kind, source, step, shape or
+    dtype, or a collective some member never posted.
+    """
+    call = "match_collectives"
+    if set(per_rank) != set(world.ranks):
+        raise InvalidInputError(
+            call,
+            f"got effects for ranks {sorted(per_rank)} in a {world.pp} x {world.dp} world",
+            f"pass one effect sequence for every rank 0..{world.size - 1}",
+        )
+    sequences: dict[CommInstance, dict[int, list[CollectiveSignature]]] = {}
+    for rank in world.ranks:
+        for effect in per_rank[rank]:
+            if isinstance(effect, Broadcast | AllReduce):
+                instance = world.instance(rank, effect.comm)
+                sequences.setdefault(instance, {}).setdefault(rank, []).append(signature_of(effect))
+    problems = [
+        report
+        for instance, by_rank in sequences.items()
+        if (report := _first_problem(instance, by_rank)) is not None
+    ]
+    if not problems:
+        return None
+    return min(problems, key=lambda p: (p.step, _COMM_ORDER[p.comm], p.group, p.seq))

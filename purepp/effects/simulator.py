@@ -1,0 +1,410 @@
+"""Every rank of a PP x DP world in one process: collectives matched, data moved, hangs named.
+
+Each rank runs a *program*: a generator that yields one tuple of effects per decode
+step (and may bind inputs and read outputs through its interpreter between
+yields). The simulator issues each rank's effects on that rank's
+`NumpyInterpreter` and acts as every communicator:
+
+- A collective completes once every member of its communicator instance has
+  posted its matching op (same op number in issue order) and the op has reached
+  the head of its stream on every member. Then the data moves: a broadcast copies
+  the source's buffer into the others'; an all-reduce sums the contributions into
+  every member's table.
+- Posts are compared as they arrive (`check_posts`): a member that disagrees on
+  kind, source, step, shape or dtype stops the run with a `MismatchReport`.
+- Ranks run greedily, lowest rank first: each issues effects until its host
+  blocks, its program ends, or it would start a step more than
+  `max_steps_in_flight` steps ahead of the slowest stage of its pipeline. That is
+  the adversarial schedule for a receiver: it consumes as early as the steps in
+  flight allow. If the host then blocks on a relay event (or stream) whose
+  broadcast a peer has not posted yet, the receiver has outrun the ring: the run
+  stops with a `RingOverrunReport`. With a ring as deep as the steps in flight
+  this cannot happen, because every peer has completed the receive's step.
+- When no rank can move and no collective can complete, the run stops with a
+  `DeadlockReport` naming every stuck rank and stream, the op it waits at, and
+  the collective it comes down to.
+
+All three reports are raised in a `CollectiveReportError` (a
+`CollectiveMismatchError`) whose message is the report's rendering.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import TypeAlias
+
+import attrs
+import numpy as np
+
+from purepp.effects.matching import (
+    AwaitedCollective,
+    CollectiveReportError,
+    CommInstance,
+    DeadlockReport,
+    RingOverrunReport,
+    Waiter,
+    WorldLayout,
+    check_posts,
+    signature_of,
+)
+from purepp.effects.numpy_interpreter import (
+    POISON,
+    NumpyInterpreter,
+    PostedCollective,
+    Stall,
+    describe_effect,
+)
+from purepp.effects.vocabulary import (
+    AllReduce,
+    Broadcast,
+    Communicator,
+    Effect,
+    Stream,
+    WaitEvent,
+    WaitStream,
+)
+from purepp.errors import ConfigError, InvalidInputError
+
+__all__ = ["RankContext", "RankProgram", "SimulationResult", "simulate"]
+
+_CALL = "simulate"
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class RankContext:
+    """What a rank's program sees: who it is, and its interpreter (bind inputs, read outputs)."""
+
+    rank: int  # global rank
+    stage: int  # pipeline stage, 0..pp-1
+    replica: int  # data-parallel replica, 0..dp-1
+    world: WorldLayout  # the whole world's layout
+    interpreter: NumpyInterpreter  # this rank's interpreter
+
+
+# A rank's program: one tuple of effects per decode step, in order.
+RankProgram: TypeAlias = Callable[[RankContext], Iterator[tuple[Effect, ...]]]
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class SimulationResult:
+    """A completed run: every rank's interpreter and the effects it issued."""
+
+    world: WorldLayout  # the layout that ran
+    interpreters: tuple[NumpyInterpreter, ...]  # by global rank, in their final state
+    effects: tuple[tuple[Effect, ...], ...]  # by global rank, every effect issued, in order
+    steps_completed: tuple[int, ...]  # by global rank, steps its program yielded
+
+    def interpreter(self, rank: int) -> NumpyInterpreter:
+        return self.interpreters[rank]
+
+
+class _Instance:
+    """One communicator instance: who posted which op, and how far it has completed."""
+
+    def __init__(self, instance: CommInstance) -> None:
+        self.instance = instance
+        self.next_seq: dict[int, int] = dict.fromkeys(instance.group, 0)  # per member
+        self.posts: dict[int, dict[int, PostedCollective]] = {}  # seq -> member -> post
+        self.completed = 0  # ops completed, in order
+
+    def awaited(self, seq: int) -> AwaitedCollective:
+        posts = self.posts[seq]
+        first = posts[min(posts)]
+        return AwaitedCollective(
+            instance=self.instance,
+            seq=seq,
+            signature=signature_of(first.effect),
+            missing=tuple(r for r in self.instance.group if r not in posts),
+        )
+
+
+class _Hub:
+    """Every communicator of the world: matches posts, completes ops, moves data."""
+
+    def __init__(self, world: WorldLayout) -> None:
+        self._world = world
+        self._instances: dict[CommInstance, _Instance] = {}
+        self._where: dict[PostedCollective, tuple[_Instance, int]] = {}
+
+    def port(self) -> _HubPort:
+        return _HubPort(self)
+
+    def post(self, posted: PostedCollective) -> None:
+        key = self._world.instance(posted.rank, posted.effect.comm)
+        state = self._instances.setdefault(key, _Instance(key))
+        seq = state.next_seq[posted.rank]
+        state.next_seq[posted.rank] = seq + 1
+        posts = state.posts.setdefault(seq, {})
+        posts[posted.rank] = posted
+        self._where[posted] = (state, seq)
+        signatures = {rank: signature_of(p.effect) for rank, p in posts.items()}
+        report = check_posts(key, seq, signatures)
+        if report is not None:
+            raise CollectiveReportError.from_report(_CALL, report)
+
+    def reach_head(self, posted: PostedCollective) -> None:
+        state, _ = self._where[posted]
+        self._complete_ready(state)
+
+    def awaited(self, posted: PostedCollective) -> AwaitedCollective:
+        state, seq = self._where[posted]
+        return state.awaited(seq)
+
+    def incomplete(self) -> tuple[AwaitedCollective, ...]:
+        """The oldest incomplete op of every instance that has one."""
+        return tuple(
+            state.awaited(state.completed)
+            for state in self._instances.values()
+            if state.completed in state.posts
+        )
+
+    def _complete_ready(self, state: _Instance) -> None:
+        group = state.instance.group
+        while True:
+            posts = state.posts.get(state.completed)
+            if posts is None or len(posts) < len(group):
+                return
+            if not all(p.at_head for p in posts.values()):
+                return
+            _move_data(posts)
+            for p in posts.values():
+                p.complete()
+                del self._where[p]
+            del state.posts[state.completed]
+            state.completed += 1
+
+
+def _move_data(posts: dict[int, PostedCollective]) -> None:
+    effect = next(iter(posts.values())).effect
+    match effect:
+        case Broadcast():
+            source = posts[effect.src].array
+            for rank, p in posts.items():
+                if rank != effect.src:
+                    p.array[...] = source
+        case AllReduce():
+            # int32 sum with wrap-around, as torch and gloo reduce an int32 table.
+            total = np.sum(np.stack([p.array for p in posts.values()]), axis=0, dtype=np.int32)
+            for p in posts.values():
+                p.array[...] = total
+
+
+class _HubPort:
+    """The `CollectivePort` each rank's interpreter talks to."""
+
+    def __init__(self, hub: _Hub) -> None:
+        self._hub = hub
+
+    def post(self, posted: PostedCollective, /) -> None:
+        self._hub.post(posted)
+
+    def reach_head(self, posted: PostedCollective, /) -> None:
+        self._hub.reach_head(posted)
+
+
+class _Rank:
+    """The simulator's view of one rank: its program, interpreter and progress."""
+
+    def __init__(self, context: RankContext, program: Iterator[tuple[Effect, ...]]) -> None:
+        self.context = context
+        self.interpreter = context.interpreter
+        self.program = program
+        self.pending: deque[Effect] = deque()  # the current step's effects not yet issued
+        self.in_step = False  # a step was pulled and not all of it has been issued
+        self.completed = 0  # steps fully issued
+        self.finished = False  # the program is exhausted
+        self.issued: list[Effect] = []  # every effect issued, in order
+
+
+class _Simulation:
+    def __init__(
+        self, world: WorldLayout, program: RankProgram, max_steps_in_flight: int, fill: int
+    ) -> None:
+        self._world = world
+        self._in_flight = max_steps_in_flight
+        self._hub = _Hub(world)
+        self._ranks: list[_Rank] = []
+        for rank in world.ranks:
+            interpreter = NumpyInterpreter(rank=rank, port=self._hub.port(), fill=fill)
+            context = RankContext(
+                rank=rank,
+                stage=world.stage_of(rank),
+                replica=world.replica_of(rank),
+                world=world,
+                interpreter=interpreter,
+            )
+            self._ranks.append(_Rank(context, iter(program(context))))
+
+    def run(self) -> SimulationResult:
+        while not self._done():
+            progressed = False
+            for rank in self._ranks:
+                progressed |= self._advance(rank)
+            if not progressed:
+                raise CollectiveReportError.from_report(_CALL, self._deadlock())
+        return SimulationResult(
+            world=self._world,
+            interpreters=tuple(r.interpreter for r in self._ranks),
+            effects=tuple(tuple(r.issued) for r in self._ranks),
+            steps_completed=tuple(r.completed for r in self._ranks),
+        )
+
+    def _done(self) -> bool:
+        return (
+            all(
+                r.finished
+                and not r.pending
+                and r.interpreter.idle()
+                and not r.interpreter.unfinished_works()
+                for r in self._ranks
+            )
+            and not self._hub.incomplete()
+        )
+
+    def _pump(self) -> None:
+        """Run whatever the last issue made runnable, on every rank, until nothing moves."""
+        moved = True
+        while moved:
+            moved = False
+            for rank in self._ranks:
+                moved |= rank.interpreter.advance()
+
+    def _advance(self, rank: _Rank) -> bool:
+        """Issue `rank`'s effects until it blocks, ends or may not start its next step."""
+        progressed = False
+        while not rank.interpreter.host_blocked():
+            if rank.pending:
+                effect = rank.pending.popleft()
+                rank.issued.append(effect)
+                rank.interpreter.issue(effect)
+                self._pump()
+                progressed = True
+                if rank.interpreter.host_blocked():
+                    self._check_overrun(rank)
+                continue
+            if rank.in_step:
+                rank.in_step = False
+                rank.completed += 1
+                progressed = True
+            if rank.finished or self._held_back_by(rank):
+                return progressed
+            step = next(rank.program, None)
+            progressed = True
+            if step is None:
+                rank.finished = True
+                return progressed
+            rank.pending.extend(_checked_step(rank.context.rank, rank.completed, step))
+            rank.in_step = True
+        return progressed
+
+    def _held_back_by(self, rank: _Rank) -> tuple[int, ...]:
+        """Pipeline peers too far behind for `rank` to start its next step."""
+        peers = self._world.group(rank.context.rank, Communicator.PP_CPU)
+        # Starting step s needs every stage to have completed step s - max_steps_in_flight.
+        return tuple(
+            peer
+            for peer in peers
+            if not self._ranks[peer].finished
+            and self._ranks[peer].completed <= rank.completed - self._in_flight
+        )
+
+    def _check_overrun(self, rank: _Rank) -> None:
+        """A host wait on relay work that a live peer has not even posted is a ring overrun."""
+        main = next(s for s in rank.interpreter.stalls() if s.stream is Stream.MAIN)
+        effect = main.effect
+        if not isinstance(effect, WaitEvent | WaitStream) or main.culprit is None:
+            return
+        awaited = self._hub.awaited(main.culprit)
+        live = [r for r in awaited.missing if not self._ranks[r].finished]
+        if not awaited.missing or len(live) < len(awaited.missing):
+            return
+        report = RingOverrunReport(
+            rank=rank.context.rank,
+            step=effect.step,
+            op=effect.op,
+            event=effect.event if isinstance(effect, WaitEvent) else None,
+            awaited=awaited,
+            ring_depth=effect.step - awaited.signature.step,
+            max_steps_in_flight=self._in_flight,
+            missing_progress=tuple((r, self._ranks[r].completed) for r in live),
+        )
+        raise CollectiveReportError.from_report(_CALL, report)
+
+    def _waiter(self, rank: _Rank, stall: Stall) -> Waiter:
+        culprit = stall.culprit
+        return Waiter(
+            rank=rank.context.rank,
+            stream=stall.stream,
+            step=stall.effect.step,
+            op=stall.effect.op,
+            waiting_at=describe_effect(stall.effect),
+            awaited=None if culprit is None else self._hub.awaited(culprit),
+        )
+
+    def _deadlock(self) -> DeadlockReport:
+        waiters: list[Waiter] = []
+        for rank in self._ranks:
+            waiters += [self._waiter(rank, stall) for stall in rank.interpreter.stalls()]
+            held_back_by = self._held_back_by(rank)
+            if not rank.interpreter.host_blocked() and not rank.finished and held_back_by:
+                waiters.append(
+                    Waiter(
+                        rank=rank.context.rank,
+                        stream=None,
+                        step=rank.completed,
+                        op=None,
+                        waiting_at=f"the start of its step #{rank.completed}"
+                        f" (max_steps_in_flight={self._in_flight})",
+                        awaited=None,
+                        held_back_by=held_back_by,
+                    )
+                )
+        return DeadlockReport(
+            waiters=tuple(waiters),
+            pending=self._hub.incomplete(),
+            finished=tuple(r.context.rank for r in self._ranks if r.finished),
+            steps_completed=tuple(r.completed for r in self._ranks),
+        )
+
+
+def _checked_step(rank: int, index: int, step: object) -> tuple[Effect, ...]:
+    if not isinstance(step, tuple):
+        raise InvalidInputError(
+            _CALL,
+            f"rank {rank}'s program yielded {type(step).__name__} as step #{index}",
+            "yield one tuple of effects per step",
+        )
+    strangers = [type(item).__name__ for item in step if not isinstance(item, Effect)]
+    if strangers:
+        raise InvalidInputError(
+            _CALL,
+            f"rank {rank}'s step #{index} holds {strangers[0]}, which is not an effect",
+            "yield only effects from purepp.effects.vocabulary",
+        )
+    return step
+
+
+def simulate(
+    world: WorldLayout,
+    program: RankProgram,
+    *,
+    max_steps_in_flight: int | None = None,
+    fill: int = POISON,
+) -> SimulationResult:
+    """Run `program` on every rank of `world` until every rank's program ends.
+
+    `program(context)` is called once per rank and returns that rank's iterator of
+    per-step effect tuples. `max_steps_in_flight` bounds how many steps a stage
+    may run ahead of the slowest stage of its pipeline (default: `world.pp`, the
+    ring depth the relay uses). `fill` is the contents of fresh buffers.
+
+    Raises `CollectiveReportError` (a `CollectiveMismatchError`) carrying a
+    `MismatchReport`, `RingOverrunReport` or `DeadlockReport`.
+    """
+    in_flight = world.pp if max_steps_in_flight is None else max_steps_in_flight
+    if in_flight < 1:
+        raise ConfigError(
+            _CALL, f"max_steps_in_flight={in_flight}", "allow at least one step in flight"
+        )
+    return _Simulation(world, program, in_flight, fill).run()
