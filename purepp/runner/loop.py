@@ -154,6 +154,7 @@ class RankLoop:
             self.device,
         )
         self.in_flight: deque[_InFlight] = deque()
+        self.steps_run = 0
         self.drafts_proposed = 0
         self.drafts_accepted = 0
         self.padded_tokens = 0
@@ -177,7 +178,10 @@ class RankLoop:
         start = time.perf_counter()
         for step in range(self.settings.total_steps):
             self.run_step(step)
+            self.steps_run = step + 1
             self.progress(step)
+            if self._all_done():
+                break
         seconds = time.perf_counter() - start
         return self._result(seconds)
 
@@ -195,6 +199,15 @@ class RankLoop:
         ended = end_step(self.relay_config, self.relay)
         self.interpreter.perform(ended.effects)
         self.relay = ended.state
+
+    def _all_done(self) -> bool:
+        """Stop early only without DP: replicas cannot see each other's work, but the
+        stages of one replica share its table and stop at the same step."""
+        if self.settings.dp > 1 or self.settings.steps:
+            return False
+        scheduler = self.scheduler
+        pending = any(entry.scheduled.rows for entry in self.in_flight)
+        return not (scheduler.waiting or pending or any(scheduler.slots))
 
     def _free(self, slots: list[int]) -> None:
         if slots:
@@ -397,7 +410,7 @@ class RankLoop:
             rank=self.rank,
             stage=self.stage,
             replica=self.replica,
-            steps=self.settings.total_steps,
+            steps=self.steps_run,
             seconds=seconds,
             outputs=outputs,
             finished=tuple(sorted(scheduler.finished)),
