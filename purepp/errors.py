@@ -15,6 +15,7 @@ __all__ = [
     "PeerFailureError",
     "PureppError",
     "StaleSyncError",
+    "StaleTokenError",
     "WrongRankError",
 ]
 
@@ -59,3 +60,7 @@ class InterpreterError(PureppError):
 
 class PeerFailureError(PureppError):
     """A peer process died or stopped answering within the configured timeout."""
+
+
+class StaleTokenError(PureppError):
+    """A sampled token reached a request slot that now holds another request."""

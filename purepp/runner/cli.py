@@ -57,6 +57,9 @@ class RunSummary:
         )
 
 
+_PUREPP_ERROR_EXIT = 3  # a worker that stopped on a PureppError
+
+
 class _Failure(Exception):
     """A run that cannot finish: the message is for the user."""
 
@@ -142,14 +145,24 @@ class _World:
         return min(reached, default=0), total
 
     def failed(self) -> str | None:
-        """A message naming the first rank that exited with an error, else None."""
-        for rank, process in enumerate(self.processes):
-            code = process.poll()
-            if code not in (None, 0):
-                lines = self.stderr_paths[rank].read_text(errors="replace").strip().splitlines()
-                last = lines[-1] if lines else "(no message)"
-                return f"{self.name} rank {rank} exited with code {code}: {last}"
-        return None
+        """A message naming the rank whose error started a failure, else None.
+
+        One rank's error makes its peers fail too (connection closed); after a
+        moment for them to exit, a rank that reported a purepp error, which names
+        the cause, is preferred over those.
+        """
+        if all(process.poll() in (None, 0) for process in self.processes):
+            return None
+        time.sleep(1.0)
+        failures = [
+            (rank, code)
+            for rank, process in enumerate(self.processes)
+            if (code := process.poll()) not in (None, 0)
+        ]
+        rank, code = min(failures, key=lambda item: (item[1] != _PUREPP_ERROR_EXIT, item[0]))
+        lines = self.stderr_paths[rank].read_text(errors="replace").strip().splitlines()
+        last = lines[-1] if lines else "(no message)"
+        return f"{self.name} rank {rank} exited with code {code}: {last}"
 
     def done(self) -> bool:
         return all(process.poll() == 0 for process in self.processes)

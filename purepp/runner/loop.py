@@ -46,7 +46,8 @@ from purepp.relay import (
     init_relay,
     receive,
 )
-from purepp.runner.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from purepp.errors import StaleTokenError
+from purepp.runner.scheduler import ScheduledRow, ScheduledStep, Scheduler, SchedulerConfig
 from purepp.runner.settings import RunSettings
 from purepp.runner.toy_model import (
     ForwardPlan,
@@ -255,6 +256,7 @@ class RankLoop:
             for i, slot in enumerate(consumed.idx_mapping_np.tolist()):
                 if slot < 0:
                     continue  # freed since, or produced no token: the relay dropped it
+                self._check_not_stale(step, rows[i], slot)
                 count = int(counts[0, i])
                 if self.scheduler.apply_outputs(
                     rows[i],
@@ -265,6 +267,18 @@ class RankLoop:
                 ):
                     finished.append(slot)
         self._free(finished)
+
+    def _check_not_stale(self, step: int, row: ScheduledRow, slot: int) -> None:
+        """The relay must drop rows whose slot was freed and reused; say so loudly if not."""
+        state = self.scheduler.slots[slot]
+        holder = None if state is None else state.request.request_id
+        if holder != row.request_id:
+            raise StaleTokenError(
+                "consume_previous_step",
+                f"at step {step} the relay handed rank {self.rank} a token of request "
+                f"{row.request_id} for slot {slot}, which now holds request {holder}",
+                "bump the slot's generation on every free path (free_request_slot)",
+            )
 
     # -- 2. the DP agreement -----------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from purepp.effects.torch_interpreter import (
     build_communicators,
     init_distributed,
 )
-from purepp.errors import PureppError
+from purepp.errors import PeerFailureError, PureppError
 from purepp.runner.loop import RankLoop, RankResult
 from purepp.runner.settings import RunSettings
 from purepp.runner.trace import Tracer
@@ -191,9 +191,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress_dir=args.progress_dir,
             abort_requests=not args.no_aborts,
         )
+    except PeerFailureError as error:
+        print(f"purepp: rank {rank}: {error}", file=sys.stderr)
+        return 4
     except PureppError as error:
         print(f"purepp: rank {rank}: {error}", file=sys.stderr)
         return 3
+    except (RuntimeError, ConnectionError) as error:
+        # torch.distributed reports a dead or silent peer this way (activations, gather).
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        print(f"purepp: rank {rank}: a peer failed or timed out: {first_line}", file=sys.stderr)
+        return 4
     return 0
 
 
