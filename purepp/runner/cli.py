@@ -57,7 +57,15 @@ class RunSummary:
         )
 
 
-_PUREPP_ERROR_EXIT = 3  # a worker that stopped on a PureppError
+_PUREPP_ERROR_EXIT = 3  # a worker that stopped on a PureppError naming its cause
+_PEER_FAILURE_EXIT = 4  # a worker that stopped because a peer failed
+
+
+def _blame_order(code: int) -> int:
+    """Which failure to report first: a named cause, then a crash, then its echoes."""
+    if code == _PUREPP_ERROR_EXIT:
+        return 0
+    return 2 if code == _PEER_FAILURE_EXIT else 1
 
 
 class _Failure(Exception):
@@ -159,7 +167,9 @@ class _World:
             for rank, process in enumerate(self.processes)
             if (code := process.poll()) not in (None, 0)
         ]
-        rank, code = min(failures, key=lambda item: (item[1] != _PUREPP_ERROR_EXIT, item[0]))
+        rank, code = min(failures, key=lambda item: (_blame_order(item[1]), item[0]))
+        if code < 0:
+            return f"{self.name} rank {rank} was killed by {signal.Signals(-code).name}"
         lines = self.stderr_paths[rank].read_text(errors="replace").strip().splitlines()
         last = lines[-1] if lines else "(no message)"
         return f"{self.name} rank {rank} exited with code {code}: {last}"

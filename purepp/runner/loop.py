@@ -171,7 +171,7 @@ class RankLoop:
         return torch.zeros(shape, dtype=torch.int64, device=self.device)
 
     def _to_device(self, array: npt.NDArray[np.generic]) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+        return torch.from_numpy(np.array(array, copy=True)).to(self.device)
 
     # -- the loop ---------------------------------------------------------------------------
 

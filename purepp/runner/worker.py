@@ -15,8 +15,9 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -36,7 +37,7 @@ from purepp.runner.settings import RunSettings
 from purepp.runner.trace import Tracer
 from purepp.runner.workload import make_workload
 
-__all__ = ["add_run_options", "main", "run_rank", "settings_from_args"]
+__all__ = ["KILL_RANK_ENV", "add_run_options", "main", "run_rank", "settings_from_args"]
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
@@ -78,14 +79,20 @@ def _groups(settings: RunSettings) -> tuple[list[list[int]], list[list[int]]]:
     return pp_groups, dp_groups
 
 
-def _progress_writer(progress_dir: str | None, rank: int, total: int) -> object:
-    if progress_dir is None:
-        return lambda step: None
-    path = Path(progress_dir) / f"rank{rank}"
+# Fault injection for tests: "RANK@STEP" kills that rank abruptly after that step.
+KILL_RANK_ENV = "PUREPP_FAULT_KILL_RANK"
+
+
+def _progress_writer(progress_dir: str | None, rank: int, total: int) -> Callable[[int], None]:
+    path = None if progress_dir is None else Path(progress_dir) / f"rank{rank}"
+    kill_at = os.environ.get(KILL_RANK_ENV, "")
+    kill_step = int(kill_at.split("@")[1]) if kill_at.startswith(f"{rank}@") else None
 
     def write(step: int) -> None:
-        if step % 4 == 0 or step + 1 == total:
+        if path is not None and (step % 4 == 0 or step + 1 == total):
             path.write_text(f"{step + 1} {total}\n", encoding="ascii")
+        if step == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     return write
 
@@ -145,7 +152,7 @@ def run_rank(
             env=env,
             perform=perform,
             activation_group=None,
-            progress=_progress_writer(progress_dir, rank, settings.total_steps),  # type: ignore[arg-type]
+            progress=_progress_writer(progress_dir, rank, settings.total_steps),
         )
         result = loop.run()
         gathered: list[object] | None = [None] * settings.world_size if rank == 0 else None
