@@ -141,7 +141,10 @@ def spawn_ranks(
     """
     if world_size < 1:
         raise ValueError(f"spawn_ranks: world_size={world_size}; pass 1 or more")
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    # The fork server imports torch once; every rank then forks from it instead of paying
+    # a fresh torch import (seconds per process on a small CI machine).
+    context.set_forkserver_preload(["torch", "torch.distributed", "tests._dist"])
     results: multiprocessing.Queue[tuple[int, bool, object]] = context.Queue()
     rendezvous_dir = tempfile.mkdtemp(prefix="purepp-dist-")
     init_method = f"file://{os.path.join(rendezvous_dir, 'rendezvous')}"

@@ -37,8 +37,17 @@ def init_process_group(
     group_name: str = "",
     device_id: _Device | None = None,
 ) -> None: ...
+@overload
 def new_group(
-    ranks: Sequence[int] | None = None,
+    ranks: None = None,
+    timeout: timedelta | None = None,
+    backend: str | None = None,
+    use_local_synchronization: bool = False,
+    group_desc: str | None = None,
+) -> ProcessGroup: ...  # every rank of the world, so always a member
+@overload
+def new_group(
+    ranks: Sequence[int],
     timeout: timedelta | None = None,
     backend: str | None = None,
     use_local_synchronization: bool = False,
@@ -76,6 +85,16 @@ def all_reduce(
 def all_reduce(
     tensor: Tensor, op: ReduceOp = ..., group: ProcessGroup | None = None, *, async_op: bool
 ) -> Work | None: ...
+def send(tensor: Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None: ...
+def recv(
+    tensor: Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0
+) -> int: ...
+def gather_object(
+    obj: object,
+    object_gather_list: list[object] | None = None,
+    dst: int | None = None,
+    group: ProcessGroup | None = None,
+) -> None: ...
 def barrier(
     group: ProcessGroup | None = None,
     async_op: Literal[False] = False,
