@@ -13,9 +13,9 @@ and the log checker, offline, over whole per-rank effect logs
 (`DeadlockReport`, `RingOverrunReport`) live here too, so every report a caller
 may receive is in one place, carried by `CollectiveReportError`.
 
-World layout: with a PP x DP world, global rank = replica * pp + stage. The
-PP_RELAY and PP_CPU groups are the stages of one DP replica; DP_CPU groups are
-the same stage across replicas.
+Communicator instances in a PP x DP world (`purepp.effects.log.Layout`: global
+rank = dp_index * pp + pp_stage): PP_RELAY and PP_CPU groups are the stages of
+one DP replica; DP_CPU groups are the same stage across replicas.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import TypeAlias, assert_never
 
 import attrs
 
+from purepp.effects.log import Layout
 from purepp.effects.vocabulary import (
     AllReduce,
     Broadcast,
@@ -36,7 +37,7 @@ from purepp.effects.vocabulary import (
     Op,
     Stream,
 )
-from purepp.errors import CollectiveMismatchError, ConfigError, InvalidInputError
+from purepp.errors import CollectiveMismatchError, InvalidInputError
 
 __all__ = [
     "AwaitedCollective",
@@ -50,73 +51,29 @@ __all__ = [
     "Report",
     "RingOverrunReport",
     "Waiter",
-    "WorldLayout",
     "check_posts",
+    "comm_group",
+    "comm_instance",
     "match_collectives",
     "signature_of",
 ]
 
 
-def _at_least_one(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if value < 1:
-        raise ConfigError("WorldLayout", f"{attribute.name}={value}", f"use {attribute.name} >= 1")
+def comm_group(world: Layout, rank: int, comm: Communicator) -> tuple[int, ...]:
+    """Global ranks of the instance of `comm` that `rank` belongs to, ascending."""
+    stage, replica = world.pp_stage(rank), world.dp_index(rank)
+    match comm:
+        case Communicator.PP_RELAY | Communicator.PP_CPU:
+            return tuple(world.rank_of(pp_stage=s, dp_index=replica) for s in range(world.pp))
+        case Communicator.DP_CPU:
+            return tuple(world.rank_of(pp_stage=stage, dp_index=d) for d in range(world.dp))
+        case _:
+            assert_never(comm)
 
 
-@attrs.frozen(kw_only=True)
-class WorldLayout:
-    """A PP x DP world: global rank = replica * pp + stage."""
-
-    pp: int = attrs.field(validator=_at_least_one)  # pipeline stages per replica
-    dp: int = attrs.field(validator=_at_least_one)  # data-parallel replicas
-
-    @property
-    def size(self) -> int:
-        return self.pp * self.dp
-
-    @property
-    def ranks(self) -> range:
-        return range(self.size)
-
-    def _check_rank(self, call: str, rank: int) -> None:
-        if not 0 <= rank < self.size:
-            raise InvalidInputError(
-                call,
-                f"rank {rank} is outside 0..{self.size - 1} of a {self.pp} x {self.dp} world",
-                "pass a global rank of this world",
-            )
-
-    def rank(self, *, stage: int, replica: int) -> int:
-        """The global rank of `stage` in DP replica `replica`."""
-        if not (0 <= stage < self.pp and 0 <= replica < self.dp):
-            raise InvalidInputError(
-                "WorldLayout.rank",
-                f"stage={stage}, replica={replica} in a {self.pp} x {self.dp} world",
-                f"use 0 <= stage < {self.pp} and 0 <= replica < {self.dp}",
-            )
-        return replica * self.pp + stage
-
-    def stage_of(self, rank: int) -> int:
-        self._check_rank("WorldLayout.stage_of", rank)
-        return rank % self.pp
-
-    def replica_of(self, rank: int) -> int:
-        self._check_rank("WorldLayout.replica_of", rank)
-        return rank // self.pp
-
-    def group(self, rank: int, comm: Communicator) -> tuple[int, ...]:
-        """Global ranks of the instance of `comm` that `rank` belongs to, ascending."""
-        self._check_rank("WorldLayout.group", rank)
-        stage, replica = rank % self.pp, rank // self.pp
-        match comm:
-            case Communicator.PP_RELAY | Communicator.PP_CPU:
-                return tuple(replica * self.pp + s for s in range(self.pp))
-            case Communicator.DP_CPU:
-                return tuple(d * self.pp + stage for d in range(self.dp))
-            case _:
-                assert_never(comm)
-
-    def instance(self, rank: int, comm: Communicator) -> CommInstance:
-        return CommInstance(comm=comm, group=self.group(rank, comm))
+def comm_instance(world: Layout, rank: int, comm: Communicator) -> CommInstance:
+    """The instance of `comm` that `rank` belongs to."""
+    return CommInstance(comm=comm, group=comm_group(world, rank, comm))
 
 
 @attrs.frozen(kw_only=True)
@@ -271,13 +228,19 @@ class MismatchReport:
                 )
             )
         fields = ", ".join(f.value for f in self.differing)
+        consequence = (
+            "  Same wire, different steps: a rank skipped or added a collective, so every"
+            " later op pairs with the wrong step."
+            if self.differing == (MismatchField.STEP,)
+            else "  NCCL does not compare these: the run would hang or corrupt data."
+        )
         return "\n".join(
             (
                 f"Collective mismatch: {where}",
                 f"  rank {self.rank} expected {self.expected.describe()}",
                 f"  rank {self.peer} posted   {self.received.describe()}",
                 f"  they differ in: {fields}",
-                "  NCCL does not compare these: the run would hang or corrupt data.",
+                consequence,
             )
         )
 
@@ -338,16 +301,18 @@ class DeadlockReport:
     """No rank can make progress and no collective can complete."""
 
     waiters: tuple[Waiter, ...]  # every stuck stream and held-back rank, by rank
-    pending: tuple[AwaitedCollective, ...]  # the oldest incomplete collective per instance
+    pending: tuple[AwaitedCollective, ...]  # the oldest incomplete op of every instance
     finished: tuple[int, ...]  # ranks whose program ended
     steps_completed: tuple[int, ...]  # steps each rank completed, indexed by rank
 
     def render(self) -> str:
         lines = ["Deadlock: no rank can make progress and no collective can complete."]
         lines += [f"  {waiter.describe()}" for waiter in self.waiters]
-        if self.pending:
-            lines.append("  incomplete collectives:")
-            lines += [f"    {awaited.describe()}" for awaited in self.pending]
+        named = {w.awaited for w in self.waiters}
+        others = [awaited for awaited in self.pending if awaited not in named]
+        if others:
+            lines.append("  other incomplete collectives:")
+            lines += [f"    {awaited.describe()}" for awaited in others]
         if self.finished:
             lines.append(f"  finished their program: rank(s) {_ranks(self.finished)}")
         steps = ", ".join(f"rank {r}: {n}" for r, n in enumerate(self.steps_completed))
@@ -410,7 +375,8 @@ class CollectiveReportError(CollectiveMismatchError):
 
     @classmethod
     def from_report(cls, call: str, report: Report) -> CollectiveReportError:
-        return cls(call, report.render(), report.fix(), report=report)
+        # PureppError adds ". Fix: ..." after the problem.
+        return cls(call, report.render().rstrip("."), report.fix(), report=report)
 
 
 def check_posts(
@@ -485,7 +451,7 @@ _COMM_ORDER = {comm: i for i, comm in enumerate(Communicator)}
 
 
 def match_collectives(
-    per_rank: Mapping[int, Sequence[Effect]], world: WorldLayout
+    per_rank: Mapping[int, Sequence[Effect]], world: Layout
 ) -> MismatchReport | None:
     """Match every rank's collectives per communicator instance, in issue order.
 
@@ -496,17 +462,18 @@ def match_collectives(
     dtype, or a collective some member never posted.
     """
     call = "match_collectives"
-    if set(per_rank) != set(world.ranks):
+    ranks = range(world.world_size)
+    if set(per_rank) != set(ranks):
         raise InvalidInputError(
             call,
-            f"got effects for ranks {sorted(per_rank)} in a {world.pp} x {world.dp} world",
-            f"pass one effect sequence for every rank 0..{world.size - 1}",
+            f"got effects for ranks {sorted(per_rank)} in a world of pp={world.pp}, dp={world.dp}",
+            f"pass one effect sequence for every rank 0..{world.world_size - 1}",
         )
     sequences: dict[CommInstance, dict[int, list[CollectiveSignature]]] = {}
-    for rank in world.ranks:
+    for rank in ranks:
         for effect in per_rank[rank]:
             if isinstance(effect, Broadcast | AllReduce):
-                instance = world.instance(rank, effect.comm)
+                instance = comm_instance(world, rank, effect.comm)
                 sequences.setdefault(instance, {}).setdefault(rank, []).append(signature_of(effect))
     problems = [
         report

@@ -37,6 +37,7 @@ from typing import TypeAlias
 import attrs
 import numpy as np
 
+from purepp.effects.log import Layout
 from purepp.effects.matching import (
     AwaitedCollective,
     CollectiveReportError,
@@ -44,8 +45,9 @@ from purepp.effects.matching import (
     DeadlockReport,
     RingOverrunReport,
     Waiter,
-    WorldLayout,
     check_posts,
+    comm_group,
+    comm_instance,
     signature_of,
 )
 from purepp.effects.numpy_interpreter import (
@@ -78,7 +80,7 @@ class RankContext:
     rank: int  # global rank
     stage: int  # pipeline stage, 0..pp-1
     replica: int  # data-parallel replica, 0..dp-1
-    world: WorldLayout  # the whole world's layout
+    world: Layout  # the whole world's layout
     interpreter: NumpyInterpreter  # this rank's interpreter
 
 
@@ -90,7 +92,7 @@ RankProgram: TypeAlias = Callable[[RankContext], Iterator[tuple[Effect, ...]]]
 class SimulationResult:
     """A completed run: every rank's interpreter and the effects it issued."""
 
-    world: WorldLayout  # the layout that ran
+    world: Layout  # the layout that ran
     interpreters: tuple[NumpyInterpreter, ...]  # by global rank, in their final state
     effects: tuple[tuple[Effect, ...], ...]  # by global rank, every effect issued, in order
     steps_completed: tuple[int, ...]  # by global rank, steps its program yielded
@@ -122,7 +124,7 @@ class _Instance:
 class _Hub:
     """Every communicator of the world: matches posts, completes ops, moves data."""
 
-    def __init__(self, world: WorldLayout) -> None:
+    def __init__(self, world: Layout) -> None:
         self._world = world
         self._instances: dict[CommInstance, _Instance] = {}
         self._where: dict[PostedCollective, tuple[_Instance, int]] = {}
@@ -131,7 +133,7 @@ class _Hub:
         return _HubPort(self)
 
     def post(self, posted: PostedCollective) -> None:
-        key = self._world.instance(posted.rank, posted.effect.comm)
+        key = comm_instance(self._world, posted.rank, posted.effect.comm)
         state = self._instances.setdefault(key, _Instance(key))
         seq = state.next_seq[posted.rank]
         state.next_seq[posted.rank] = seq + 1
@@ -219,18 +221,18 @@ class _Rank:
 
 class _Simulation:
     def __init__(
-        self, world: WorldLayout, program: RankProgram, max_steps_in_flight: int, fill: int
+        self, world: Layout, program: RankProgram, max_steps_in_flight: int, fill: int
     ) -> None:
         self._world = world
         self._in_flight = max_steps_in_flight
         self._hub = _Hub(world)
         self._ranks: list[_Rank] = []
-        for rank in world.ranks:
+        for rank in range(world.world_size):
             interpreter = NumpyInterpreter(rank=rank, port=self._hub.port(), fill=fill)
             context = RankContext(
                 rank=rank,
-                stage=world.stage_of(rank),
-                replica=world.replica_of(rank),
+                stage=world.pp_stage(rank),
+                replica=world.dp_index(rank),
                 world=world,
                 interpreter=interpreter,
             )
@@ -300,7 +302,7 @@ class _Simulation:
 
     def _held_back_by(self, rank: _Rank) -> tuple[int, ...]:
         """Pipeline peers too far behind for `rank` to start its next step."""
-        peers = self._world.group(rank.context.rank, Communicator.PP_CPU)
+        peers = comm_group(self._world, rank.context.rank, Communicator.PP_CPU)
         # Starting step s needs every stage to have completed step s - max_steps_in_flight.
         return tuple(
             peer
@@ -310,14 +312,17 @@ class _Simulation:
         )
 
     def _check_overrun(self, rank: _Rank) -> None:
-        """A host wait on relay work that a live peer has not even posted is a ring overrun."""
+        """A host wait on an earlier step's collective that a live peer has not even posted
+        is a ring overrun: the consumer is ahead of the producer's broadcasts."""
         main = next(s for s in rank.interpreter.stalls() if s.stream is Stream.MAIN)
         effect = main.effect
         if not isinstance(effect, WaitEvent | WaitStream) or main.culprit is None:
             return
         awaited = self._hub.awaited(main.culprit)
         live = [r for r in awaited.missing if not self._ranks[r].finished]
-        if not awaited.missing or len(live) < len(awaited.missing):
+        # A wait within the step that posted the collective is a plain synchronous wait,
+        # and a peer that has ended will never post: that is a deadlock, reported later.
+        if effect.step <= awaited.signature.step or not live or len(live) < len(awaited.missing):
             return
         report = RingOverrunReport(
             rank=rank.context.rank,
@@ -386,7 +391,7 @@ def _checked_step(rank: int, index: int, step: object) -> tuple[Effect, ...]:
 
 
 def simulate(
-    world: WorldLayout,
+    world: Layout,
     program: RankProgram,
     *,
     max_steps_in_flight: int | None = None,

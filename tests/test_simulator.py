@@ -1,0 +1,955 @@
+"""The numpy reference interpreter, and the simulator running hand-written rank programs.
+
+The programs here are written out effect by effect (they do not use purepp.relay),
+so each test shows one mechanism: data moving, a mismatch, a skipped agreement, a
+deadlock, a ring overrun, a buffer freed too early.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TypedDict
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from purepp.effects.interpreter import Interpreter
+from purepp.effects.log import Layout
+from purepp.effects.matching import (
+    CollectiveReportError,
+    DeadlockReport,
+    MismatchField,
+    MismatchReport,
+    Report,
+    RingOverrunReport,
+    match_collectives,
+)
+from purepp.effects.numpy_interpreter import POISON, NumpyInterpreter
+from purepp.effects.simulator import RankContext, RankProgram, simulate
+from purepp.effects.vocabulary import (
+    Alias,
+    Allocate,
+    AllReduce,
+    Broadcast,
+    BufferRef,
+    Communicator,
+    CopyHostToDevice,
+    DType,
+    Effect,
+    EventRef,
+    GatherRows,
+    Op,
+    PadColumns,
+    RecordEvent,
+    RecordStream,
+    Release,
+    ScatterRows,
+    StackRows,
+    Stream,
+    WaitEvent,
+    WaitStream,
+    WaitWork,
+    WorkRef,
+)
+from purepp.errors import CollectiveMismatchError, ConfigError, InterpreterError, InvalidInputError
+
+Int64 = npt.NDArray[np.int64]
+
+WIRE_WIDTH = 3  # num_speculative_steps + 1
+DRAFTS = 2  # num_speculative_steps
+SAMPLED = BufferRef("input.sampled")  # the sender's [n, k] tokens, bound each step
+DRAFT_TABLE = BufferRef("input.drafts")  # the sender's [n, DRAFTS] drafts, bound each step
+
+
+class Tag(TypedDict):
+    step: int
+    op: Op
+
+
+def report_of(error: pytest.ExceptionInfo[CollectiveMismatchError]) -> Report:
+    assert isinstance(error.value, CollectiveReportError)
+    return error.value.report
+
+
+def sent_tokens(step: int, rows: int, width: int, replica: int) -> Int64:
+    """What the last stage of `replica` samples at `step`: distinct per step and replica."""
+    return (
+        np.arange(rows * width, dtype=np.int64).reshape(rows, width) + 1000 * step + 100 * replica
+    )
+
+
+def wire_tokens(step: int, rows: int, width: int, replica: int) -> Int64:
+    """`sent_tokens` as it travels: right-padded with 0 to the wire width."""
+    padded = np.zeros((rows, WIRE_WIDTH), dtype=np.int64)
+    padded[:, :width] = sent_tokens(step, rows, width, replica)
+    return padded
+
+
+# ---- hand-written relay programs -------------------------------------------------------
+
+
+def relay_program(
+    rows: list[int],
+    *,
+    ring_depth: int,
+    received: dict[tuple[int, int], Int64],
+    width_at: Callable[[int], int] = lambda step: WIRE_WIDTH,
+    pad: bool = True,
+    drafts: bool = False,
+    receiver_skips_drafts_at: int | None = None,
+) -> RankProgram:
+    """A pipeline relay written by hand: the last stage sends every step with rows > 0.
+
+    Non-last stages receive each step into a ring and consume the entry `ring_depth`
+    steps later: wait on its event, then read it into `received[(rank, step)]`.
+    """
+
+    def program(ctx: RankContext) -> Iterator[tuple[Effect, ...]]:
+        last = ctx.world.rank_of(pp_stage=ctx.world.pp - 1, dp_index=ctx.replica)
+        if ctx.rank == last:
+            yield from _sender(ctx, last)
+        else:
+            yield from _receiver(ctx, last)
+
+    def _sender(ctx: RankContext, last: int) -> Iterator[tuple[Effect, ...]]:
+        for step, n in enumerate(rows):
+            if n == 0:  # no row needs a token: the receivers see the same batch
+                yield ()
+                continue
+            width = width_at(step)
+            ctx.interpreter.bind(SAMPLED, sent_tokens(step, n, width, ctx.replica))
+            send = BufferRef(f"send.{step}")
+            wire_shape = (n, WIRE_WIDTH if pad else width)
+            tag = Tag(step=step, op=Op.BROADCAST)
+            effects: list[Effect] = [WaitStream(**tag, stream=Stream.RELAY, waits_for=Stream.MAIN)]
+            if pad:
+                effects.append(
+                    PadColumns(
+                        **tag,
+                        source=SAMPLED,
+                        out=send,
+                        width=WIRE_WIDTH,
+                        fill=0,
+                        stream=Stream.RELAY,
+                    )
+                )
+            else:
+                effects.append(Alias(**tag, source=SAMPLED, out=send))
+            effects += [
+                _broadcast(step, Op.BROADCAST, send, wire_shape, last),
+                RecordStream(**tag, buffer=SAMPLED, stream=Stream.RELAY),
+                Release(**tag, buffer=send),
+            ]
+            if drafts:
+                table = np.full((n, DRAFTS), 7 + step, dtype=np.int64)
+                ctx.interpreter.bind(DRAFT_TABLE, table)
+                send_drafts = BufferRef(f"send_drafts.{step}")
+                tag = Tag(step=step, op=Op.BROADCAST_DRAFTS)
+                effects += [
+                    PadColumns(
+                        **tag,
+                        source=DRAFT_TABLE,
+                        out=send_drafts,
+                        width=DRAFTS,
+                        fill=0,
+                        stream=Stream.RELAY,
+                    ),
+                    _broadcast(step, Op.BROADCAST_DRAFTS, send_drafts, (n, DRAFTS), last),
+                    Release(**tag, buffer=send_drafts),
+                ]
+            yield tuple(effects)
+
+    def _receiver(ctx: RankContext, last: int) -> Iterator[tuple[Effect, ...]]:
+        ring: deque[int | None] = deque([None] * ring_depth)
+        for step, n in enumerate(rows):
+            effects: list[Effect] = []
+            oldest = ring.popleft()
+            ring.append(None)
+            if oldest is not None:
+                effects.append(
+                    WaitEvent(
+                        step=step, op=Op.CONSUME, stream=Stream.MAIN, event=EventRef(f"e.{oldest}")
+                    )
+                )
+            if n:
+                tokens = BufferRef(f"recv.{step}")
+                tag = Tag(step=step, op=Op.RECEIVE)
+                effects += [
+                    WaitStream(**tag, stream=Stream.RELAY, waits_for=Stream.MAIN),
+                    Allocate(
+                        **tag,
+                        buffer=tokens,
+                        shape=(n, WIRE_WIDTH),
+                        dtype=DType.INT64,
+                        stream=Stream.RELAY,
+                    ),
+                    _broadcast(step, Op.RECEIVE, tokens, (n, WIRE_WIDTH), last),
+                ]
+                if drafts and step != receiver_skips_drafts_at:
+                    draft_buffer = BufferRef(f"recv_drafts.{step}")
+                    effects += [
+                        Allocate(
+                            **tag,
+                            buffer=draft_buffer,
+                            shape=(n, DRAFTS),
+                            dtype=DType.INT64,
+                            stream=Stream.RELAY,
+                        ),
+                        _broadcast(step, Op.RECEIVE, draft_buffer, (n, DRAFTS), last),
+                    ]
+                effects += [
+                    RecordEvent(**tag, stream=Stream.RELAY, event=EventRef(f"e.{step}")),
+                    RecordStream(**tag, buffer=tokens, stream=Stream.MAIN),
+                ]
+                ring[-1] = step
+            yield tuple(effects)
+            # The host passed the wait: the consumed entry is complete.
+            if oldest is not None:
+                entry = BufferRef(f"recv.{oldest}")
+                received[(ctx.rank, oldest)] = ctx.interpreter.host_array(entry)
+
+    return program
+
+
+def _broadcast(step: int, op: Op, buffer: BufferRef, shape: tuple[int, ...], src: int) -> Broadcast:
+    return Broadcast(
+        step=step,
+        op=op,
+        buffer=buffer,
+        shape=shape,
+        dtype=DType.INT64,
+        src=src,
+        comm=Communicator.PP_RELAY,
+        stream=Stream.RELAY,
+    )
+
+
+def expected_receipts(
+    world: Layout, rows: list[int], ring_depth: int
+) -> dict[tuple[int, int], Int64]:
+    """What every non-last stage reads: each sent step consumed `ring_depth` steps later."""
+    expected: dict[tuple[int, int], Int64] = {}
+    for rank in range(world.world_size):
+        if world.pp_stage(rank) == world.pp - 1:
+            continue
+        for step, n in enumerate(rows):
+            if n and step + ring_depth < len(rows):
+                expected[(rank, step)] = wire_tokens(step, n, WIRE_WIDTH, world.dp_index(rank))
+    return expected
+
+
+# ---- data moves ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("pp", "dp"), [(2, 1), (3, 1), (2, 2)])
+def test_a_correct_relay_moves_every_step_to_every_stage(pp: int, dp: int) -> None:
+    world = Layout(pp=pp, dp=dp)
+    rows = [3, 2, 0, 4, 1, 2, 3]
+    received: dict[tuple[int, int], Int64] = {}
+
+    result = simulate(world, relay_program(rows, ring_depth=pp, received=received))
+
+    assert received.keys() == expected_receipts(world, rows, pp).keys()
+    for key, tokens in expected_receipts(world, rows, pp).items():
+        np.testing.assert_array_equal(received[key], tokens)
+    assert result.steps_completed == (len(rows),) * world.world_size
+    assert match_collectives(dict(enumerate(result.effects)), world) is None
+    assert all(not i.lifetime_violations for i in result.interpreters)
+
+
+def test_narrow_sampled_tokens_arrive_padded_to_the_wire_width() -> None:
+    world = Layout(pp=2, dp=1)
+    rows = [2, 2, 2, 2]
+    received: dict[tuple[int, int], Int64] = {}
+    widths = [3, 1, 2, 1]  # a plain-sampler step samples one token per row
+
+    simulate(
+        world,
+        relay_program(rows, ring_depth=2, received=received, width_at=widths.__getitem__),
+    )
+
+    np.testing.assert_array_equal(received[(0, 1)], [[1000, 0, 0], [1001, 0, 0]])
+    np.testing.assert_array_equal(received[(0, 0)], wire_tokens(0, 2, 3, 0))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    pp=st.integers(1, 3),
+    dp=st.integers(1, 2),
+    rows=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+    in_flight=st.integers(1, 3),
+)
+def test_a_ring_as_deep_as_the_steps_in_flight_delivers_everything(
+    pp: int, dp: int, rows: list[int], in_flight: int
+) -> None:
+    world = Layout(pp=pp, dp=dp)
+    received: dict[tuple[int, int], Int64] = {}
+    depth = max(in_flight, 1)
+
+    result = simulate(
+        world,
+        relay_program(rows, ring_depth=depth, received=received),
+        max_steps_in_flight=in_flight,
+    )
+
+    expected = expected_receipts(world, rows, depth)
+    assert received.keys() == expected.keys()
+    for key, tokens in expected.items():
+        np.testing.assert_array_equal(received[key], tokens)
+    assert match_collectives(dict(enumerate(result.effects)), world) is None
+
+
+# ---- FIELD_FAILURES row 1: [n, 1] sent, [n, spec + 1] posted ------------------------------
+
+
+def test_an_unpadded_plain_sampler_step_stops_the_run_at_that_op() -> None:
+    world = Layout(pp=3, dp=1)
+    rows = [4, 4, 4, 4, 4]
+    widths = [3, 3, 1, 3, 3]  # step 2 used the plain sampler: [4, 1]
+
+    with pytest.raises(CollectiveMismatchError) as error:
+        simulate(
+            world,
+            relay_program(rows, ring_depth=3, received={}, width_at=widths.__getitem__, pad=False),
+        )
+
+    report = report_of(error)
+    assert isinstance(report, MismatchReport)
+    assert (report.rank, report.peer) == (0, 2)
+    assert (report.comm, report.group) == (Communicator.PP_RELAY, (0, 1, 2))
+    assert (report.seq, report.step, report.op) == (2, 2, Op.RECEIVE)
+    assert report.expected.shape == (4, 3)
+    assert report.received is not None
+    assert report.received.shape == (4, 1)
+    assert report.differing == (MismatchField.SHAPE,)
+    assert "op #2 on pp_relay (ranks 0, 1, 2)" in str(error.value)
+
+
+# ---- FIELD_FAILURES row 10: an idle DP rank skips the agreement --------------------------
+
+
+def agreement_program(
+    *, steps: int, idle: set[tuple[int, int]], skip_when_idle: bool, seen: dict[int, list[int]]
+) -> RankProgram:
+    """Each step every DP rank all-reduces a [5, dp] table; idle (rank, step) pairs have no work.
+
+    Row 0 is the token count, the only row this test fills. `seen[rank]` collects the
+    agreed maximum per step.
+    """
+
+    def program(ctx: RankContext) -> Iterator[tuple[Effect, ...]]:
+        dp = ctx.world.dp
+        for step in range(steps):
+            is_idle = (ctx.rank, step) in idle
+            if is_idle and skip_when_idle:
+                yield ()  # the bug: return early without joining the collective
+                continue
+            table = np.zeros((5, dp), dtype=np.int32)
+            table[0, ctx.replica] = 0 if is_idle else 8 + ctx.rank
+            result = BufferRef(f"dp.table.{step}")
+            yield (
+                AllReduce(
+                    step=step,
+                    op=Op.AGREE,
+                    contribution=table,
+                    result=result,
+                    comm=Communicator.DP_CPU,
+                    work=None,
+                ),
+            )
+            seen.setdefault(ctx.rank, []).append(int(ctx.interpreter.host_array(result)[0].max()))
+            yield (Release(step=step, op=Op.AGREE, buffer=result),)
+
+    return program
+
+
+def test_idle_ranks_that_contribute_zeros_agree_with_everyone() -> None:
+    seen: dict[int, list[int]] = {}
+    idle = {(1, 1), (2, 1), (2, 2)}
+
+    simulate(
+        Layout(pp=1, dp=3),
+        agreement_program(steps=4, idle=idle, skip_when_idle=False, seen=seen),
+    )
+
+    assert seen[0] == seen[1] == seen[2] == [10, 8, 9, 10]
+
+
+def test_an_idle_rank_that_skips_the_agreement_is_reported_at_that_step() -> None:
+    with pytest.raises(CollectiveMismatchError) as error:
+        simulate(
+            Layout(pp=1, dp=3),
+            agreement_program(steps=4, idle={(2, 1)}, skip_when_idle=True, seen={}),
+        )
+
+    report = report_of(error)
+    assert isinstance(report, MismatchReport)
+    assert (report.rank, report.peer, report.seq) == (2, 0, 1)
+    assert (report.comm, report.group) == (Communicator.DP_CPU, (0, 1, 2))
+    assert report.differing == (MismatchField.STEP,)
+    assert report.expected.step == 2  # rank 2's op #1 is already step 2's agreement
+    assert report.received is not None
+    assert report.received.step == 1
+
+
+# ---- FIELD_FAILURES rows 3/4: a draft broadcast one side does not post ---------------------
+
+
+def test_a_draft_broadcast_the_receiver_does_not_post_stops_the_run() -> None:
+    with pytest.raises(CollectiveMismatchError) as error:
+        simulate(
+            Layout(pp=2, dp=1),
+            relay_program(
+                [2, 2, 2, 2], ring_depth=2, received={}, drafts=True, receiver_skips_drafts_at=1
+            ),
+        )
+
+    report = report_of(error)
+    assert isinstance(report, MismatchReport)
+    assert (report.rank, report.peer, report.seq) == (0, 1, 3)
+    # The receiver's op #3 is step 2's tokens; the sender's is step 1's drafts.
+    assert (report.expected.step, report.expected.shape) == (2, (2, WIRE_WIDTH))
+    assert report.received is not None
+    assert (report.received.step, report.received.op) == (1, Op.BROADCAST_DRAFTS)
+    assert report.received.shape == (2, DRAFTS)
+    assert report.differing == (MismatchField.STEP, MismatchField.SHAPE)
+
+
+def test_draft_broadcasts_on_both_sides_arrive() -> None:
+    received: dict[tuple[int, int], Int64] = {}
+    result = simulate(
+        Layout(pp=2, dp=1), relay_program([2, 2, 2], ring_depth=2, received=received, drafts=True)
+    )
+    drafts = result.interpreter(0).tensor(BufferRef("recv_drafts.2"))
+    np.testing.assert_array_equal(drafts, np.full((2, DRAFTS), 9))
+
+
+# ---- deadlocks ---------------------------------------------------------------------------
+
+
+def int32_broadcast(
+    op: Op,
+    buffer: BufferRef,
+    *,
+    shape: tuple[int, ...],
+    src: int,
+    stream: Stream = Stream.RELAY,
+    step: int = 0,
+) -> Broadcast:
+    return Broadcast(
+        step=step,
+        op=op,
+        buffer=buffer,
+        shape=shape,
+        dtype=DType.INT32,
+        src=src,
+        comm=Communicator.PP_RELAY,
+        stream=stream,
+    )
+
+
+def scripted(steps: Mapping[int, Sequence[tuple[Effect, ...]]]) -> RankProgram:
+    """Each rank yields its own fixed list of steps."""
+
+    def program(ctx: RankContext) -> Iterator[tuple[Effect, ...]]:
+        yield from steps[ctx.rank]
+
+    return program
+
+
+def pp_cpu_agreement(step: int) -> AllReduce:
+    return AllReduce(
+        step=step,
+        op=Op.AGREE,
+        contribution=np.zeros((5, 1), dtype=np.int32),
+        result=BufferRef(f"pp.table.{step}"),
+        comm=Communicator.PP_CPU,
+        work=None,
+    )
+
+
+def main_stream_broadcast(step: int, rank: int) -> tuple[Effect, ...]:
+    buffer = BufferRef(f"x.{step}")
+    return (
+        CopyHostToDevice(
+            step=step,
+            op=Op.BROADCAST,
+            source=np.zeros(4, np.int32),
+            buffer=buffer,
+            stream=Stream.MAIN,
+        ),
+        int32_broadcast(
+            Op.BROADCAST if rank == 1 else Op.RECEIVE,
+            buffer,
+            shape=(4,),
+            src=1,
+            stream=Stream.MAIN,
+            step=step,
+        ),
+    )
+
+
+def test_two_communicators_taken_in_opposite_orders_deadlock() -> None:
+    # Each communicator's sequence matches on its own; only the order across them differs.
+    steps: dict[int, list[tuple[Effect, ...]]] = {
+        0: [(pp_cpu_agreement(0), *main_stream_broadcast(0, 0))],
+        1: [(*main_stream_broadcast(0, 1), pp_cpu_agreement(0))],
+    }
+    per_rank = {rank: [e for step in plan for e in step] for rank, plan in steps.items()}
+    assert match_collectives(per_rank, Layout(pp=2, dp=1)) is None
+
+    with pytest.raises(CollectiveMismatchError) as error:
+        simulate(Layout(pp=2, dp=1), scripted(steps))
+
+    report = report_of(error)
+    assert isinstance(report, DeadlockReport)
+    assert [(w.rank, w.stream, w.step, w.op) for w in report.waiters] == [
+        (0, Stream.MAIN, 0, Op.AGREE),
+        (1, Stream.MAIN, 0, Op.BROADCAST),
+    ]
+    awaited = [w.awaited for w in report.waiters]
+    assert awaited[0] is not None
+    assert awaited[1] is not None
+    assert (awaited[0].instance.comm, awaited[0].seq, awaited[0].missing) == (
+        Communicator.PP_CPU,
+        0,
+        (1,),
+    )
+    assert (awaited[1].instance.comm, awaited[1].seq, awaited[1].missing) == (
+        Communicator.PP_RELAY,
+        0,
+        (0,),
+    )
+    assert report.finished == ()
+    assert "Deadlock" in report.render()
+
+
+def test_a_collective_no_peer_posts_leaves_its_rank_waiting() -> None:
+    steps: dict[int, list[tuple[Effect, ...]]] = {
+        0: [(pp_cpu_agreement(0),), (pp_cpu_agreement(1),)],
+        1: [(pp_cpu_agreement(0),)],
+    }
+
+    with pytest.raises(CollectiveMismatchError) as error:
+        simulate(Layout(pp=2, dp=1), scripted(steps))
+
+    report = report_of(error)
+    assert isinstance(report, DeadlockReport)
+    (waiter,) = report.waiters
+    assert (waiter.rank, waiter.step, waiter.op) == (0, 1, Op.AGREE)
+    assert waiter.awaited is not None
+    assert (waiter.awaited.seq, waiter.awaited.missing) == (1, (1,))
+    assert report.finished == (1,)
+    assert report.steps_completed == (1, 1)
+    assert "not posted by rank(s) 1" in report.render()
+
+
+def test_a_relay_broadcast_no_peer_posts_leaves_the_stream_stuck() -> None:
+    # Rank 1 ends before posting its send: rank 0's program ends too, its stream cannot.
+    send = main_stream_broadcast(0, 1)
+    steps: dict[int, list[tuple[Effect, ...]]] = {
+        0: [
+            (
+                Allocate(
+                    step=0,
+                    op=Op.RECEIVE,
+                    buffer=BufferRef("r"),
+                    shape=(4,),
+                    dtype=DType.INT32,
+                    stream=Stream.RELAY,
+                ),
+                int32_broadcast(Op.RECEIVE, BufferRef("r"), shape=(4,), src=1),
+            )
+        ],
+        1: [send[:1]],
+    }
+    with pytest.raises(CollectiveMismatchError) as error:
+        simulate(Layout(pp=2, dp=1), scripted(steps))
+
+    report = report_of(error)
+    assert isinstance(report, DeadlockReport)
+    (waiter,) = report.waiters
+    assert (waiter.rank, waiter.stream) == (0, Stream.RELAY)
+    assert report.finished == (0, 1)
+    (pending,) = report.pending
+    assert (pending.instance.comm, pending.missing) == (Communicator.PP_RELAY, (1,))
+
+
+# ---- ring overrun: more steps in flight than the ring is deep ------------------------------
+
+
+def test_a_receiver_running_ahead_of_the_ring_is_a_ring_overrun() -> None:
+    # pp_size + 1 steps in flight with a ring of pp_size entries (FIELD_FAILURES row 3).
+    with pytest.raises(CollectiveMismatchError) as error:
+        simulate(
+            Layout(pp=2, dp=1),
+            relay_program([2] * 6, ring_depth=2, received={}),
+            max_steps_in_flight=3,
+        )
+
+    report = report_of(error)
+    assert isinstance(report, RingOverrunReport)
+    assert (report.rank, report.step, report.op) == (0, 2, Op.CONSUME)
+    assert report.event == EventRef("e.0")
+    assert (report.ring_depth, report.max_steps_in_flight) == (2, 3)
+    assert (report.awaited.seq, report.awaited.signature.step) == (0, 0)
+    assert report.awaited.missing == (1,)
+    assert report.missing_progress == ((1, 0),)
+    assert report.render().startswith("Ring overrun: rank 0 at step 2 (consume)")
+
+
+def test_a_one_entry_ring_with_a_pipeline_in_flight_overruns() -> None:
+    # Microbatching off (ring depth 1) while the default lets pp steps be in flight.
+    with pytest.raises(CollectiveMismatchError) as error:
+        simulate(Layout(pp=2, dp=1), relay_program([1] * 4, ring_depth=1, received={}))
+    report = report_of(error)
+    assert isinstance(report, RingOverrunReport)
+    assert (report.step, report.ring_depth, report.max_steps_in_flight) == (1, 1, 2)
+
+
+def test_a_one_entry_ring_with_one_step_in_flight_is_fine() -> None:
+    received: dict[tuple[int, int], Int64] = {}
+    world = Layout(pp=2, dp=1)
+    simulate(world, relay_program([1] * 4, ring_depth=1, received=received), max_steps_in_flight=1)
+    assert received.keys() == expected_receipts(world, [1] * 4, 1).keys()
+
+
+# ---- stream order and buffer lifetimes ----------------------------------------------------
+
+
+def test_relay_work_queued_behind_a_pending_broadcast_waits_for_it() -> None:
+    # Rank 0 posts first; its gather of the received rows must run after the data lands.
+    received, index, picked = BufferRef("r"), BufferRef("i"), BufferRef("picked")
+    receiver: tuple[Effect, ...] = (
+        Allocate(
+            step=0,
+            op=Op.RECEIVE,
+            buffer=received,
+            shape=(3,),
+            dtype=DType.INT32,
+            stream=Stream.RELAY,
+        ),
+        int32_broadcast(Op.RECEIVE, received, shape=(3,), src=1),
+        CopyHostToDevice(
+            step=0, op=Op.RECEIVE, source=np.array([2, 0]), buffer=index, stream=Stream.RELAY
+        ),
+        GatherRows(
+            step=0, op=Op.RECEIVE, source=received, index=index, out=picked, stream=Stream.RELAY
+        ),
+        RecordEvent(step=0, op=Op.RECEIVE, stream=Stream.RELAY, event=EventRef("done")),
+    )
+    consume = (WaitEvent(step=1, op=Op.CONSUME, stream=Stream.MAIN, event=EventRef("done")),)
+    payload = BufferRef("p")
+    sender: tuple[Effect, ...] = (
+        CopyHostToDevice(
+            step=0, op=Op.BROADCAST, source=np.array([5, 6, 7]), buffer=payload, stream=Stream.RELAY
+        ),
+        int32_broadcast(Op.BROADCAST, payload, shape=(3,), src=1),
+    )
+    result = simulate(
+        Layout(pp=2, dp=1),
+        scripted({0: [receiver, consume], 1: [sender, ()]}),
+        max_steps_in_flight=1,
+    )
+    np.testing.assert_array_equal(result.interpreter(0).tensor(picked), [7, 5])
+
+
+def lifetime_program(*, record_stream: bool) -> RankProgram:
+    """Rank 0 sends a main-stream buffer on the relay stream and frees it at once."""
+    payload = BufferRef("payload")
+    receive = BufferRef("r")
+    recorded: tuple[Effect, ...] = (
+        (RecordStream(step=0, op=Op.BROADCAST, buffer=payload, stream=Stream.RELAY),)
+        if record_stream
+        else ()
+    )
+    steps: dict[int, list[tuple[Effect, ...]]] = {
+        0: [
+            (
+                CopyHostToDevice(
+                    step=0,
+                    op=Op.BROADCAST,
+                    source=np.array([4, 5, 6]),
+                    buffer=payload,
+                    stream=Stream.MAIN,
+                ),
+                int32_broadcast(Op.BROADCAST, payload, shape=(3,), src=0),
+                *recorded,
+                Release(step=0, op=Op.BROADCAST, buffer=payload),
+            )
+        ],
+        1: [
+            (
+                Allocate(
+                    step=0,
+                    op=Op.RECEIVE,
+                    buffer=receive,
+                    shape=(3,),
+                    dtype=DType.INT32,
+                    stream=Stream.RELAY,
+                ),
+                int32_broadcast(Op.RECEIVE, receive, shape=(3,), src=0),
+            )
+        ],
+    }
+    return scripted(steps)
+
+
+def test_a_send_buffer_freed_before_its_broadcast_ran_sends_garbage() -> None:
+    # FIELD_FAILURES row 5: no record_stream, so the memory is reused under the broadcast.
+    result = simulate(Layout(pp=2, dp=1), lifetime_program(record_stream=False))
+
+    np.testing.assert_array_equal(result.interpreter(1).tensor(BufferRef("r")), [POISON] * 3)
+    (violation,) = result.interpreter(0).lifetime_violations
+    assert (violation.buffer, violation.used_on) == (BufferRef("payload"), (Stream.RELAY,))
+
+
+def test_record_stream_keeps_a_freed_send_buffer_alive_for_its_broadcast() -> None:
+    result = simulate(Layout(pp=2, dp=1), lifetime_program(record_stream=True))
+
+    np.testing.assert_array_equal(result.interpreter(1).tensor(BufferRef("r")), [4, 5, 6])
+    assert result.interpreter(0).lifetime_violations == ()
+
+
+# ---- asynchronous all-reduce -------------------------------------------------------------
+
+
+def test_an_async_all_reduce_completes_at_its_wait() -> None:
+    work, result_ref = WorkRef("w"), BufferRef("table")
+    tables: dict[int, Int64] = {}
+
+    def program(ctx: RankContext) -> Iterator[tuple[Effect, ...]]:
+        contribution = np.zeros((2, ctx.world.dp), dtype=np.int32)
+        contribution[:, ctx.replica] = [ctx.replica + 1, 10]
+        yield (
+            AllReduce(
+                step=0,
+                op=Op.AGREE,
+                contribution=contribution,
+                result=result_ref,
+                comm=Communicator.DP_CPU,
+                work=work,
+            ),
+        )
+        with pytest.raises(InterpreterError, match="has not been waited on"):
+            ctx.interpreter.host_array(result_ref)
+        yield (WaitWork(step=0, op=Op.AGREE, work=work),)
+        tables[ctx.rank] = ctx.interpreter.host_array(result_ref)
+
+    simulate(Layout(pp=1, dp=2), program)
+    np.testing.assert_array_equal(tables[0], [[1, 2], [10, 10]])
+    np.testing.assert_array_equal(tables[1], tables[0])
+
+
+def test_an_async_all_reduce_never_waited_on_is_reported() -> None:
+    def program(ctx: RankContext) -> Iterator[tuple[Effect, ...]]:
+        if ctx.rank == 0:
+            yield (
+                AllReduce(
+                    step=0,
+                    op=Op.AGREE,
+                    contribution=np.zeros((1, 2), np.int32),
+                    result=BufferRef("t"),
+                    comm=Communicator.DP_CPU,
+                    work=WorkRef("w"),
+                ),
+            )
+
+    with pytest.raises(CollectiveMismatchError) as error:
+        simulate(Layout(pp=1, dp=2), program)
+    report = report_of(error)
+    assert isinstance(report, DeadlockReport)
+    (pending,) = report.pending
+    assert pending.missing == (1,)
+
+
+# ---- simulate's own checks --------------------------------------------------------------
+
+
+def test_steps_in_flight_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="max_steps_in_flight=0"):
+        simulate(Layout(pp=1, dp=1), scripted({0: []}), max_steps_in_flight=0)
+
+
+def test_a_step_must_be_a_tuple_of_effects() -> None:
+    def program(ctx: RankContext) -> Iterator[tuple[Effect, ...]]:
+        yield [Release(step=0, op=Op.END_STEP, buffer=BufferRef("x"))]  # type: ignore[misc]
+
+    with pytest.raises(InvalidInputError, match="yielded list as step #0"):
+        simulate(Layout(pp=1, dp=1), program)
+
+
+# ---- the interpreter alone ---------------------------------------------------------------
+
+
+def local(make: Callable[..., Effect], **fields: object) -> Effect:
+    """An effect at step 0 from Op.CONSUME, on the main stream unless told otherwise."""
+    defaults: dict[str, object] = {"step": 0, "op": Op.CONSUME}
+    if "stream" in inspect.signature(make).parameters:
+        defaults["stream"] = Stream.MAIN
+    return make(**(defaults | fields))
+
+
+def test_fresh_buffers_are_poisoned_so_unwritten_data_shows() -> None:
+    interpreter = NumpyInterpreter()
+    interpreter.perform((local(Allocate, buffer=BufferRef("a"), shape=(2, 3), dtype=DType.INT64),))
+    tensor = interpreter.tensor(BufferRef("a"))
+    assert tensor.dtype == np.int64
+    np.testing.assert_array_equal(tensor, np.full((2, 3), POISON))
+
+
+def test_pad_stack_gather_scatter() -> None:
+    interpreter = NumpyInterpreter()
+    interpreter.bind(BufferRef("tokens"), np.array([[1], [2], [3]], dtype=np.int64))
+    interpreter.bind(BufferRef("a"), np.array([1, 2, 3], dtype=np.int32))
+    interpreter.bind(BufferRef("b"), np.array([4, 5, 6], dtype=np.int32))
+    target = np.zeros((4, 3), dtype=np.int64)
+    interpreter.bind(BufferRef("target"), target)
+    interpreter.perform(
+        (
+            local(
+                PadColumns, source=BufferRef("tokens"), out=BufferRef("padded"), width=3, fill=-5
+            ),
+            local(StackRows, sources=(BufferRef("a"), BufferRef("b")), out=BufferRef("stacked")),
+            local(CopyHostToDevice, source=np.array([2, 0]), buffer=BufferRef("rows")),
+            local(
+                GatherRows,
+                source=BufferRef("padded"),
+                index=BufferRef("rows"),
+                out=BufferRef("gathered"),
+            ),
+            local(CopyHostToDevice, source=np.array([3, -1, 0]), buffer=BufferRef("slots")),
+            local(
+                ScatterRows,
+                source=BufferRef("padded"),
+                index=BufferRef("slots"),
+                target=BufferRef("target"),
+            ),
+        )
+    )
+    np.testing.assert_array_equal(
+        interpreter.tensor(BufferRef("padded")), [[1, -5, -5], [2, -5, -5], [3, -5, -5]]
+    )
+    np.testing.assert_array_equal(interpreter.tensor(BufferRef("stacked")), [[1, 2, 3], [4, 5, 6]])
+    np.testing.assert_array_equal(
+        interpreter.tensor(BufferRef("gathered")), [[3, -5, -5], [1, -5, -5]]
+    )
+    # Row 1 maps to -1 and is skipped; the caller's own array is updated in place.
+    np.testing.assert_array_equal(target, [[3, -5, -5], [0, 0, 0], [0, 0, 0], [1, -5, -5]])
+
+
+def test_alias_release_and_names() -> None:
+    interpreter = NumpyInterpreter()
+    interpreter.bind(BufferRef("x"), np.array([1, 2], dtype=np.int64))
+    interpreter.perform(
+        (
+            local(Alias, source=BufferRef("x"), out=BufferRef("y")),
+            local(Release, buffer=BufferRef("x")),
+        )
+    )
+    np.testing.assert_array_equal(interpreter.tensor(BufferRef("y")), [1, 2])
+    assert interpreter.bound_refs() == frozenset({BufferRef("y")})
+    with pytest.raises(InterpreterError, match="'x' is not bound"):
+        interpreter.tensor(BufferRef("x"))
+    with pytest.raises(InterpreterError, match="'y' is already bound"):
+        interpreter.perform((local(Alias, source=BufferRef("y"), out=BufferRef("y")),))
+
+
+def test_host_arrays_are_read_only_copies() -> None:
+    interpreter = NumpyInterpreter()
+    interpreter.bind(BufferRef("x"), np.array([1, 2], dtype=np.int64))
+    copy = interpreter.host_array(BufferRef("x"))
+    assert not copy.flags.writeable
+    interpreter.tensor(BufferRef("x"))[0] = 9
+    assert copy[0] == 1
+
+
+def test_events_are_consumed_by_their_wait() -> None:
+    interpreter = NumpyInterpreter()
+    event = EventRef("e")
+    interpreter.perform((local(RecordEvent, stream=Stream.RELAY, event=event),))
+    assert interpreter.event_completed(event)
+    interpreter.perform((local(WaitEvent, stream=Stream.MAIN, event=event),))
+    with pytest.raises(InterpreterError, match="already waited on"):
+        interpreter.perform((local(WaitEvent, stream=Stream.MAIN, event=event),))
+
+
+def test_out_of_range_rows_are_refused() -> None:
+    interpreter = NumpyInterpreter()
+    interpreter.bind(BufferRef("src"), np.zeros((2, 1), dtype=np.int64))
+    interpreter.bind(BufferRef("idx"), np.array([0, 2], dtype=np.int32))
+    with pytest.raises(InterpreterError, match="holds row 2 of a 2-row source"):
+        interpreter.perform(
+            (
+                local(
+                    GatherRows, source=BufferRef("src"), index=BufferRef("idx"), out=BufferRef("o")
+                ),
+            )
+        )
+
+
+def test_a_broadcast_must_match_its_declared_wire() -> None:
+    interpreter = NumpyInterpreter()
+    interpreter.bind(BufferRef("t"), np.zeros((2, 1), dtype=np.int64))
+    with pytest.raises(InterpreterError, match="but the wire is int64 \\(2, 3\\)"):
+        interpreter.perform(
+            (
+                Broadcast(
+                    step=0,
+                    op=Op.BROADCAST,
+                    buffer=BufferRef("t"),
+                    shape=(2, 3),
+                    dtype=DType.INT64,
+                    src=0,
+                    comm=Communicator.PP_RELAY,
+                    stream=Stream.RELAY,
+                ),
+            )
+        )
+
+
+def test_alone_a_rank_cannot_receive_from_another() -> None:
+    interpreter = NumpyInterpreter(rank=0)
+    interpreter.bind(BufferRef("t"), np.zeros(2, dtype=np.int64))
+    with pytest.raises(InterpreterError, match="broadcast from rank 1"):
+        interpreter.perform(
+            (
+                Broadcast(
+                    step=0,
+                    op=Op.RECEIVE,
+                    buffer=BufferRef("t"),
+                    shape=(2,),
+                    dtype=DType.INT64,
+                    src=1,
+                    comm=Communicator.PP_RELAY,
+                    stream=Stream.RELAY,
+                ),
+            )
+        )
+
+
+def test_alone_an_all_reduce_returns_the_contribution() -> None:
+    interpreter = NumpyInterpreter()
+    interpreter.perform(
+        (
+            AllReduce(
+                step=0,
+                op=Op.AGREE,
+                contribution=np.array([[3, 0]]),
+                result=BufferRef("t"),
+                comm=Communicator.DP_CPU,
+                work=None,
+            ),
+        )
+    )
+    np.testing.assert_array_equal(interpreter.host_array(BufferRef("t")), [[3, 0]])
+
+
+def test_the_numpy_interpreter_is_an_interpreter() -> None:
+    interpreter: Interpreter = NumpyInterpreter()  # checked by mypy: the shared protocol
+    interpreter.perform(())
