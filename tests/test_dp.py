@@ -452,3 +452,11 @@ def test_sync_state_rejects_values_no_agreement_produces() -> None:
         sync([-1, 4])
     with pytest.raises(InvalidInputError, match="uniform_token_count=0"):
         sync([4, 4], uniform=0)
+
+
+def test_the_public_names_exist() -> None:
+    import purepp.cudagraph
+    import purepp.dp
+
+    for module in (purepp.dp, purepp.cudagraph):
+        assert all(hasattr(module, name) for name in module.__all__)

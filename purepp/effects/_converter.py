@@ -21,6 +21,7 @@ import math
 import operator
 import re
 import types
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, get_args, get_origin
 
@@ -42,7 +43,9 @@ __all__ = [
     "describe_structure_error",
     "freeze_json_object",
     "kind_of",
+    "structure_effect",
     "thaw_json",
+    "unstructure_effect",
 ]
 
 # A free-form JSON object as purepp holds it: nested mappings are read-only
@@ -328,6 +331,18 @@ def _make_converter() -> cattrs.Converter:
 # The one converter: logs, replay, diffs and the checker all read and write through it.
 CONVERTER: Final[cattrs.Converter] = _make_converter()
 _register_effect_union(CONVERTER)
+
+
+def unstructure_effect(effect: Effect) -> dict[str, Any]:
+    """An effect as its log JSON object, `"kind"` first."""
+    unstructured: dict[str, Any] = CONVERTER.unstructure(effect, Effect)
+    return unstructured
+
+
+def structure_effect(value: object) -> Effect:
+    """The effect a log JSON object describes; cattrs validation errors when it is bad."""
+    # cattrs types `structure` over classes; the closed union is a UnionType, hence the cast.
+    return typing.cast(Effect, CONVERTER.structure(value, Effect))  # type: ignore[arg-type]
 
 
 # -- errors ---------------------------------------------------------------------

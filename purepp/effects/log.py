@@ -209,7 +209,7 @@ def _numbering_problem(record: LogRecord, expected: LogRecord) -> str | None:
     """Why `record`'s numbers are not the ones issue order gives, or None."""
     if record.seq != expected.seq:
         return (
-            f"seq is {record.seq!r}, expected {expected.seq}: records count up from 0 "
+            f"seq is {json.dumps(record.seq)}, expected {expected.seq}: records count up from 0 "
             "without gaps (a record is missing, repeated or out of order)"
         )
     if record.comm_seq == expected.comm_seq and type(record.comm_seq) is type(expected.comm_seq):
@@ -217,11 +217,11 @@ def _numbering_problem(record: LogRecord, expected: LogRecord) -> str | None:
     comm = _communicator_of(record.effect)
     if comm is None:
         return (
-            f"comm_seq is {record.comm_seq!r}, expected null: "
+            f"comm_seq is {json.dumps(record.comm_seq)}, expected null: "
             f"a {kind_of(record.effect)} effect is not a collective"
         )
     return (
-        f"comm_seq is {record.comm_seq!r}, expected {expected.comm_seq}: "
+        f"comm_seq is {json.dumps(record.comm_seq)}, expected {expected.comm_seq}: "
         f"this is collective number {expected.comm_seq} (from 0) on communicator {comm.value}"
     )
 

@@ -1,0 +1,730 @@
+"""The effect log: format, strict loading, the recorder, replay and golden-log diffs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import typing
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import effect_logs, effects_of, json_objects, layouts, log_headers
+
+from purepp.effects._converter import CONVERTER, structure_effect, unstructure_effect
+from purepp.effects.interpreter import Interpreter
+from purepp.effects.log import (
+    EFFECT_KINDS,
+    SCHEMA,
+    EffectLog,
+    Layout,
+    LogHeader,
+    LogRecord,
+    Recorder,
+    assert_logs_equal,
+    diff_logs,
+    dump_log,
+    dump_logs,
+    header_json,
+    kind_of,
+    load_log,
+    load_logs,
+    log_file_name,
+    record_json,
+    replay,
+)
+from purepp.effects.vocabulary import (
+    Allocate,
+    AllReduce,
+    Broadcast,
+    BufferRef,
+    Communicator,
+    CopyHostToDevice,
+    DType,
+    Effect,
+    EventRef,
+    Op,
+    RecordEvent,
+    Stream,
+    WaitStream,
+)
+from purepp.errors import ConfigError, InterpreterError, InvalidInputError, LogFormatError
+
+# -- a small realistic log --------------------------------------------------------
+
+HEADER = LogHeader(
+    rank=1, world=Layout(pp=2, dp=2), config={"model": "toy", "num_speculative_steps": 1}
+)
+
+
+def relay_broadcast(step: int) -> Broadcast:
+    return Broadcast(
+        step=step,
+        op=Op.RECEIVE,
+        buffer=BufferRef(f"recv/{step}"),
+        shape=(4, 2),
+        dtype=DType.INT64,
+        src=1,
+        comm=Communicator.PP_RELAY,
+        stream=Stream.RELAY,
+    )
+
+
+SAMPLE_EFFECTS: tuple[Effect, ...] = (
+    WaitStream(step=0, op=Op.RECEIVE, stream=Stream.RELAY, waits_for=Stream.MAIN),
+    Allocate(
+        step=0,
+        op=Op.RECEIVE,
+        buffer=BufferRef("recv/0"),
+        shape=(4, 2),
+        dtype=DType.INT64,
+        stream=Stream.RELAY,
+    ),
+    relay_broadcast(0),
+    RecordEvent(step=0, op=Op.RECEIVE, stream=Stream.RELAY, event=EventRef("recv/0")),
+    AllReduce(
+        step=1,
+        op=Op.AGREE,
+        contribution=np.array([[3, 0], [1, 0]], dtype=np.int32),
+        result=BufferRef("dp/1"),
+        comm=Communicator.DP_CPU,
+        work=None,
+    ),
+    relay_broadcast(1),
+    CopyHostToDevice(
+        step=1,
+        op=Op.BROADCAST,
+        source=np.array([[1, 2], [3, 4]], dtype=np.int32),
+        buffer=BufferRef("send/1"),
+        stream=Stream.MAIN,
+    ),
+)
+SAMPLE = EffectLog.from_effects(HEADER, SAMPLE_EFFECTS)
+
+
+def line_of(record_index: int) -> int:
+    """The file line a record is on: line 1 is the header."""
+    return record_index + 2
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="ascii")
+    return path
+
+
+def sample_lines(tmp_path: Path) -> list[str]:
+    path = tmp_path / "sample.jsonl"
+    dump_log(SAMPLE, path)
+    return path.read_text(encoding="ascii").splitlines()
+
+
+# -- the format, pinned ---------------------------------------------------------
+
+
+def test_header_line_is_the_documented_format() -> None:
+    header = LogHeader(rank=3, world=Layout(pp=2, dp=2), config={"b": 1, "a": [1, 2]})
+    assert header_json(header) == (
+        '{"schema": "purepp.effects/1", "rank": 3, "world": {"pp": 2, "dp": 2}, '
+        '"config": {"a": [1, 2], "b": 1}}'
+    )
+
+
+def test_record_lines_are_the_documented_format() -> None:
+    assert [record_json(record) for record in SAMPLE.records[2:5]] == [
+        '{"seq": 2, "comm_seq": 0, "effect": {"kind": "broadcast", "step": 0, "op": "receive", '
+        '"buffer": "recv/0", "shape": [4, 2], "dtype": "int64", "src": 1, "comm": "pp_relay", '
+        '"stream": "relay"}}',
+        '{"seq": 3, "comm_seq": null, "effect": {"kind": "record_event", "step": 0, '
+        '"op": "receive", "stream": "relay", "event": "recv/0"}}',
+        '{"seq": 4, "comm_seq": 0, "effect": {"kind": "all_reduce", "step": 1, "op": "agree", '
+        '"contribution": {"shape": [2, 2], "values": [[3, 0], [1, 0]]}, "result": "dp/1", '
+        '"comm": "dp_cpu", "work": null}}',
+    ]
+
+
+def test_every_effect_class_has_a_snake_case_kind() -> None:
+    assert set(EFFECT_KINDS.values()) == set(typing.get_args(Effect))
+    assert EFFECT_KINDS["broadcast"] is Broadcast
+    assert EFFECT_KINDS["copy_host_to_device"] is CopyHostToDevice
+    assert EFFECT_KINDS["all_reduce"] is AllReduce
+    assert kind_of(relay_broadcast(0)) == "broadcast"
+
+
+# -- round trip and determinism -------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", typing.get_args(Effect), ids=lambda cls: cls.__name__)
+@settings(max_examples=25)
+@given(data=st.data())
+def test_any_effect_of_every_class_survives_json(cls: type[Effect], data: st.DataObject) -> None:
+    # effects() is the one_of of these per-class strategies, so every class is covered.
+    effect = data.draw(effects_of(cls), label="effect")
+    text = json.dumps(unstructure_effect(effect))
+    assert json.loads(text)["kind"] == kind_of(effect)
+    restored = structure_effect(json.loads(text))
+    assert restored == effect
+    assert type(restored) is cls
+
+
+@settings(max_examples=30)
+@given(effect_logs())
+def test_load_inverts_dump(tmp_path_factory: pytest.TempPathFactory, log: EffectLog) -> None:
+    path = tmp_path_factory.mktemp("round_trip") / "rank.jsonl"
+    dump_log(log, path)
+    assert load_log(path) == log
+
+
+@settings(max_examples=30)
+@given(effect_logs())
+def test_equal_logs_dump_byte_identical(
+    tmp_path_factory: pytest.TempPathFactory, log: EffectLog
+) -> None:
+    # An equal log built from scratch: copied effects, config keys in reverse order.
+    config = dict(reversed(list(log.header.config.items())))
+    rebuilt = EffectLog.from_effects(
+        attrs.evolve(log.header, config=config), [attrs.evolve(e) for e in log.effects]
+    )
+    assert rebuilt == log
+    directory = tmp_path_factory.mktemp("determinism")
+    dump_log(log, directory / "a.jsonl")
+    dump_log(rebuilt, directory / "b.jsonl")
+    assert (directory / "a.jsonl").read_bytes() == (directory / "b.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 3), (3, 0), (2, 0, 2), (), (1, 1, 1)])
+def test_arrays_come_back_read_only_int32_of_the_same_shape(
+    tmp_path: Path, shape: tuple[int, ...]
+) -> None:
+    source = np.arange(int(np.prod(shape)), dtype=np.int32).reshape(shape)
+    copy = CopyHostToDevice(
+        step=0, op=Op.BROADCAST, source=source, buffer=BufferRef("x"), stream=Stream.MAIN
+    )
+    dump_log(EffectLog.from_effects(HEADER, [copy]), tmp_path / "log.jsonl")
+    loaded = load_log(tmp_path / "log.jsonl").effects[0]
+    assert isinstance(loaded, CopyHostToDevice)
+    assert loaded.source.shape == shape
+    assert loaded.source.dtype == np.int32
+    assert not loaded.source.flags.writeable
+    assert loaded == copy
+
+
+@settings(max_examples=30)
+@given(effect_logs(), st.data())
+def test_a_log_cut_anywhere_loads_only_at_a_line_end(
+    tmp_path_factory: pytest.TempPathFactory, log: EffectLog, data: st.DataObject
+) -> None:
+    path = tmp_path_factory.mktemp("cut") / "rank.jsonl"
+    dump_log(log, path)
+    text = path.read_bytes()
+    cut = data.draw(st.integers(0, len(text) - 1), label="cut")
+    path.write_bytes(text[:cut])
+    if cut == 0 or text[cut - 1 : cut] != b"\n":
+        with pytest.raises(LogFormatError):
+            load_log(path)
+        return
+    # A cut at a line end is a shorter valid log: what a streaming Recorder leaves.
+    loaded = load_log(path)
+    assert loaded.header == log.header
+    assert loaded.records == log.records[: len(loaded.records)]
+
+
+@settings(max_examples=30)
+@given(effect_logs(min_effects=1), st.data())
+def test_renumbering_any_record_is_rejected(
+    tmp_path_factory: pytest.TempPathFactory, log: EffectLog, data: st.DataObject
+) -> None:
+    index = data.draw(st.integers(0, len(log.records) - 1), label="record")
+    field = data.draw(st.sampled_from(["seq", "comm_seq"]), label="field")
+    record = CONVERTER.unstructure(log.records[index], LogRecord)
+    current = record[field]
+    numbers: st.SearchStrategy[int | None] = st.integers(0, 20).filter(lambda n: n != current)
+    # Any other number; for comm_seq also null where a number belongs (a seq of null
+    # is a type error, tested elsewhere).
+    if field == "comm_seq" and current is not None:
+        numbers = st.none() | numbers
+    other = data.draw(numbers, label="new number")
+    lines = [header_json(log.header), *(record_json(r) for r in log.records)]
+    lines[index + 1] = json.dumps({**record, field: other})
+    path = write_lines(tmp_path_factory.mktemp("renumber") / "rank.jsonl", lines)
+    with pytest.raises(LogFormatError, match=f"line {line_of(index)}: {field} is"):
+        load_log(path)
+
+
+# -- strict loading: every defect names the file and the line ---------------------
+
+Mutation = Callable[[list[str]], list[str]]
+
+
+def edit(line: int, change: Callable[[dict[str, typing.Any]], object]) -> Mutation:
+    """Parse file line `line` (1-based), let `change` edit the object, write it back."""
+
+    def mutate(lines: list[str]) -> list[str]:
+        obj = json.loads(lines[line - 1])
+        change(obj)
+        return [*lines[: line - 1], json.dumps(obj), *lines[line:]]
+
+    return mutate
+
+
+def replace_line(line: int, text: str) -> Mutation:
+    return lambda lines: [*lines[: line - 1], text, *lines[line:]]
+
+
+BAD_LOGS: dict[str, tuple[Mutation, int, str]] = {
+    # name: (mutation, line the error must name, what it must say)
+    "unknown schema": (
+        edit(1, lambda h: h.update(schema="purepp.effects/2")),
+        1,
+        "schema 'purepp.effects/2'; this purepp reads only 'purepp.effects/1'",
+    ),
+    "no schema": (edit(1, lambda h: h.pop("schema")), 1, "no schema"),
+    "header unknown key": (
+        edit(1, lambda h: h.update(host="a")),
+        1,
+        r"extra fields found \(host\)",
+    ),
+    "header missing key": (
+        edit(1, lambda h: h.pop("world")),
+        1,
+        "required field missing @ header.world",
+    ),
+    "header rank outside world": (
+        edit(1, lambda h: h.update(rank=4)),
+        1,
+        "rank 4 is outside a world of 4",
+    ),
+    "header bad world": (
+        edit(1, lambda h: h["world"].update(pp=0)),
+        1,
+        "pp must be an integer >= 1, got 0",
+    ),
+    "config NaN": (
+        replace_line(1, header_json(HEADER).replace('"toy"', "NaN")),
+        1,
+        "NaN is not JSON",
+    ),
+    "record unknown key": (
+        edit(3, lambda r: r.update(note="x")),
+        3,
+        r"extra fields found \(note\) @ record\. Fix",
+    ),
+    "effect unknown key": (
+        edit(4, lambda r: r["effect"].update(priority=1)),
+        4,
+        r"extra fields found \(priority\) @ record.effect",
+    ),
+    "unknown kind": (
+        edit(4, lambda r: r["effect"].update(kind="send")),
+        4,
+        'unknown kind "send"; known kinds: alias',
+    ),
+    "no kind": (edit(4, lambda r: r["effect"].pop("kind")), 4, "effect has no kind"),
+    "missing key": (
+        edit(4, lambda r: r["effect"].pop("src")),
+        4,
+        "required field missing @ record.effect.src",
+    ),
+    "string for int": (
+        edit(4, lambda r: r["effect"].update(step="0")),
+        4,
+        'expected an integer, got a string "0" @ record.effect.step',
+    ),
+    "bool for int": (
+        edit(4, lambda r: r["effect"].update(src=True)),
+        4,
+        "expected an integer, got a boolean true @ record.effect.src",
+    ),
+    "float in shape": (
+        edit(4, lambda r: r["effect"].update(shape=[4.0, 2])),
+        4,
+        r"record.effect.shape\[0\]",
+    ),
+    "unknown enum value": (
+        edit(4, lambda r: r["effect"].update(stream="side")),
+        4,
+        'expected one of "main", "relay", got a string "side" @ record.effect.stream',
+    ),
+    "ref not a string": (
+        edit(4, lambda r: r["effect"].update(buffer={"name": "recv/0"})),
+        4,
+        "expected a string, got an object",
+    ),
+    "array values disagree with shape": (
+        edit(6, lambda r: r["effect"]["contribution"].update(shape=[2, 3])),
+        6,
+        "record.effect.contribution",
+    ),
+    "array value outside int32": (
+        edit(8, lambda r: r["effect"]["source"].update(values=[[1, 2], [3, 2**31]])),
+        8,
+        "int32 integer",
+    ),
+    "seq gap": (lambda lines: lines[:3] + lines[4:], 4, "seq is 3, expected 2"),
+    "seq repeated": (lambda lines: lines[:3] + lines[2:], 4, "seq is 1, expected 2"),
+    "comm_seq off": (
+        edit(7, lambda r: r.update(comm_seq=0)),
+        7,
+        "comm_seq is 0, expected 1: this is collective number 1 .* on communicator pp_relay",
+    ),
+    "comm_seq on a non-collective": (
+        edit(2, lambda r: r.update(comm_seq=0)),
+        2,
+        "comm_seq is 0, expected null: a wait_stream effect is not a collective",
+    ),
+    "comm_seq missing on a collective": (
+        edit(4, lambda r: r.update(comm_seq=None)),
+        4,
+        "comm_seq is null, expected 0",
+    ),
+    "corrupted JSON": (lambda lines: [*lines[:4], lines[4][:-9], *lines[5:]], 5, "corrupted JSON"),
+    "duplicate key": (
+        lambda lines: [
+            *lines[:2],
+            lines[2].replace('{"seq": 1,', '{"seq": 1, "seq": 1,'),
+            *lines[3:],
+        ],
+        3,
+        "key 'seq' appears twice",
+    ),
+    "record not an object": (replace_line(3, "[1, 2]"), 3, "expected a JSON object"),
+    "blank line": (lambda lines: [*lines[:3], "", *lines[3:]], 4, "corrupted JSON"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_LOGS)
+def test_a_bad_log_is_rejected_naming_file_and_line(tmp_path: Path, name: str) -> None:
+    mutate, line, problem = BAD_LOGS[name]
+    path = write_lines(tmp_path / "rank-0001.jsonl", mutate(sample_lines(tmp_path)))
+    with pytest.raises(LogFormatError) as caught:
+        load_log(path)
+    assert caught.value.call == "load_log"
+    assert caught.value.problem.startswith(f"{path} line {line}: ")
+    assert caught.value.fix
+    caught.match(problem)
+
+
+def test_the_sample_log_itself_loads(tmp_path: Path) -> None:
+    # The mutations above start from a valid file: a failure there is the mutation's.
+    path = write_lines(tmp_path / "rank.jsonl", sample_lines(tmp_path))
+    assert load_log(path) == SAMPLE
+
+
+def test_a_truncated_last_line_is_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "rank.jsonl"
+    dump_log(SAMPLE, path)
+    path.write_bytes(path.read_bytes()[:-5])
+    with pytest.raises(LogFormatError, match=f"{path} line 8: the last line is truncated"):
+        load_log(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b"", "the file is empty"),
+        (b'{"schema": "purepp.effects/1"}\n\xff\n', "line 2: byte 31 is not UTF-8"),
+    ],
+)
+def test_unreadable_bytes_are_rejected(tmp_path: Path, content: bytes, problem: str) -> None:
+    path = tmp_path / "rank.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(LogFormatError, match=problem):
+        load_log(path)
+
+
+def test_a_missing_file_is_a_log_format_error(tmp_path: Path) -> None:
+    with pytest.raises(LogFormatError, match="cannot be read"):
+        load_log(tmp_path / "absent.jsonl")
+
+
+def test_a_log_of_another_world_is_rejected_when_a_world_is_expected(tmp_path: Path) -> None:
+    dump_log(SAMPLE, tmp_path / "rank.jsonl")
+    assert load_log(tmp_path / "rank.jsonl", expect_world=Layout(pp=2, dp=2)) == SAMPLE
+    with pytest.raises(LogFormatError, match=r"line 1: .* pp=2, dp=2, expected pp=4, dp=1"):
+        load_log(tmp_path / "rank.jsonl", expect_world=Layout(pp=4, dp=1))
+
+
+# -- a directory of ranks ---------------------------------------------------------
+
+
+def world_logs(world: Layout) -> tuple[EffectLog, ...]:
+    return tuple(
+        EffectLog.from_effects(attrs.evolve(HEADER, rank=rank, world=world), SAMPLE_EFFECTS)
+        for rank in range(world.world_size)
+    )
+
+
+def test_load_logs_returns_every_rank_in_rank_order(tmp_path: Path) -> None:
+    logs = world_logs(Layout(pp=2, dp=2))
+    paths = dump_logs(reversed(logs), tmp_path)
+    assert sorted(path.name for path in paths) == [log_file_name(r) for r in range(4)]
+    assert load_logs(tmp_path) == logs
+    assert load_logs(tmp_path, expect_world=Layout(pp=2, dp=2)) == logs
+
+
+def test_headers_decide_the_ranks_not_file_names(tmp_path: Path) -> None:
+    logs = world_logs(Layout(pp=2, dp=1))
+    dump_log(logs[1], tmp_path / "host-a.jsonl")
+    dump_log(logs[0], tmp_path / "host-b.jsonl")
+    assert load_logs(tmp_path) == logs
+
+
+DirectoryDefect = Callable[[Path], object]
+
+
+def _drop_rank(directory: Path) -> None:
+    (directory / log_file_name(2)).unlink()
+
+
+def _duplicate_rank(directory: Path) -> None:
+    shutil.copy(directory / log_file_name(1), directory / "copy.jsonl")
+
+
+def _other_world(directory: Path) -> None:
+    dump_log(world_logs(Layout(pp=4, dp=1))[3], directory / log_file_name(3))
+
+
+def _corrupt_one(directory: Path) -> None:
+    path = directory / log_file_name(1)
+    path.write_bytes(path.read_bytes()[:-1])
+
+
+@pytest.mark.parametrize(
+    ("defect", "problem"),
+    [
+        (_drop_rank, r"ranks \[2\] of a world of 4 \(pp=2, dp=2\) have no log"),
+        (_duplicate_rank, "copy.jsonl and rank-0001.jsonl are both rank 1"),
+        (_other_world, "rank-0000.jsonl is of world pp=2, dp=2 but rank-0003.jsonl of pp=4, dp=1"),
+        (_corrupt_one, "rank-0001.jsonl line 8: the last line is truncated"),
+    ],
+)
+def test_load_logs_rejects_an_inconsistent_directory(
+    tmp_path: Path, defect: DirectoryDefect, problem: str
+) -> None:
+    dump_logs(world_logs(Layout(pp=2, dp=2)), tmp_path)
+    defect(tmp_path)
+    with pytest.raises(LogFormatError, match=problem):
+        load_logs(tmp_path)
+
+
+def test_load_logs_rejects_an_unexpected_world_and_an_empty_directory(tmp_path: Path) -> None:
+    with pytest.raises(LogFormatError, match=r"holds no \*.jsonl logs"):
+        load_logs(tmp_path)
+    dump_logs(world_logs(Layout(pp=2, dp=2)), tmp_path)
+    with pytest.raises(LogFormatError, match="expected pp=2, dp=4"):
+        load_logs(tmp_path, expect_world=Layout(pp=2, dp=4))
+
+
+def test_dump_logs_refuses_two_logs_of_one_rank(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInputError, match=r"ranks \[1\] appear more than once"):
+        dump_logs([SAMPLE, SAMPLE], tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+# -- layout and header --------------------------------------------------------------
+
+
+@given(layouts, st.data())
+def test_global_rank_is_dp_index_times_pp_plus_stage(world: Layout, data: st.DataObject) -> None:
+    rank = data.draw(st.integers(0, world.world_size - 1))
+    stage, replica = world.pp_stage(rank), world.dp_index(rank)
+    assert 0 <= stage < world.pp
+    assert 0 <= replica < world.dp
+    assert rank == replica * world.pp + stage == world.rank_of(pp_stage=stage, dp_index=replica)
+
+
+def test_layout_example_and_errors() -> None:
+    world = Layout(pp=2, dp=4)
+    header = LogHeader(rank=5, world=world)
+    assert (header.pp_stage, header.dp_index) == (1, 2)
+    with pytest.raises(ConfigError, match="pp must be an integer >= 1"):
+        Layout(pp=0, dp=1)
+    with pytest.raises(ConfigError, match="rank 8 is outside a world of 8"):
+        world.pp_stage(8)
+    with pytest.raises(ConfigError, match="pp_stage=2, dp_index=0 is outside"):
+        world.rank_of(pp_stage=2, dp_index=0)
+    with pytest.raises(ConfigError, match="rank 8 is outside"):
+        LogHeader(rank=8, world=world)
+
+
+def test_config_is_frozen_and_compared_as_json() -> None:
+    caller_config: dict[str, object] = {"sizes": [1, 2], "nested": {"a": 1}}
+    header = LogHeader(rank=0, world=Layout(pp=1, dp=1), config=caller_config)
+    caller_config["sizes"] = [9]
+    assert header.config["sizes"] == (1, 2)
+    with pytest.raises(TypeError):
+        header.config["nested"]["a"] = 2  # type: ignore[index]
+    assert attrs.evolve(header, config={"a": 1}) != attrs.evolve(header, config={"a": 1.0})
+    assert attrs.evolve(header, config={"a": 1, "b": 2}) == attrs.evolve(
+        header, config={"b": 2, "a": 1}
+    )
+    for bad in ({"x": float("nan")}, {"x": {1: "non-string key"}}, {"x": object()}):
+        with pytest.raises(InvalidInputError):
+            attrs.evolve(header, config=bad)
+
+
+@given(log_headers(), json_objects)
+def test_equal_headers_hash_equal(header: LogHeader, config: dict[str, object]) -> None:
+    again = attrs.evolve(header, config=dict(reversed(list(config.items()))))
+    assert attrs.evolve(header, config=config) == again
+    assert hash(attrs.evolve(header, config=config)) == hash(again)
+
+
+def test_an_effect_log_checks_its_numbering() -> None:
+    effect = relay_broadcast(0)
+    with pytest.raises(InvalidInputError, match="record 0: seq is 1, expected 0"):
+        EffectLog(HEADER, [LogRecord(seq=1, comm_seq=0, effect=effect)])
+    with pytest.raises(InvalidInputError, match="record 0: comm_seq is null, expected 0"):
+        EffectLog(HEADER, [LogRecord(seq=0, comm_seq=None, effect=effect)])
+
+
+# -- recorder and replay ------------------------------------------------------------
+
+
+class BatchCollector:
+    """An interpreter that keeps each perform call's batch, to see how replay batches."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[Effect, ...]] = []
+
+    def perform(self, effects: tuple[Effect, ...], /) -> None:
+        self.batches.append(effects)
+
+
+class FailingInterpreter:
+    """An interpreter whose device calls fail, like a torch interpreter on a dead peer."""
+
+    def perform(self, effects: tuple[Effect, ...], /) -> None:
+        raise InterpreterError("perform", f"{len(effects)} effects could not run", "none")
+
+
+def test_the_recorder_numbers_collectives_per_communicator() -> None:
+    recorder = Recorder(HEADER)
+    recorder.perform(SAMPLE_EFFECTS[:3])
+    recorder.perform(SAMPLE_EFFECTS[3:])
+    numbers = [(record.seq, record.comm_seq) for record in recorder.log.records]
+    # broadcasts on pp_relay count 0, 1; the all-reduce on dp_cpu counts from 0 on its own.
+    assert numbers == [(0, None), (1, None), (2, 0), (3, None), (4, 0), (5, 1), (6, None)]
+    assert recorder.log == SAMPLE
+
+
+def test_the_recorder_forwards_every_effect_in_order() -> None:
+    inner = Recorder(HEADER)
+    outer = Recorder(HEADER, inner)
+    outer.perform(SAMPLE_EFFECTS[:2])
+    outer.perform(SAMPLE_EFFECTS[2:])
+    assert inner.log == outer.log == SAMPLE
+
+
+def test_the_recorder_records_before_the_inner_interpreter_fails(tmp_path: Path) -> None:
+    recorder = Recorder(HEADER, FailingInterpreter(), path=tmp_path / "rank.jsonl")
+    with pytest.raises(InterpreterError):
+        recorder.perform(SAMPLE_EFFECTS)
+    # What a hung or crashed run leaves behind: the effects it was attempting.
+    assert recorder.log == SAMPLE
+    assert load_log(tmp_path / "rank.jsonl") == SAMPLE
+
+
+def test_the_recorder_rejects_a_non_effect_and_records_nothing(tmp_path: Path) -> None:
+    inner = BatchCollector()
+    recorder = Recorder(HEADER, inner, path=tmp_path / "rank.jsonl")
+    bad = (relay_broadcast(0), "broadcast")
+    with pytest.raises(InvalidInputError, match=r"effects\[1\] is 'broadcast', not an effect"):
+        recorder.perform(bad)  # type: ignore[arg-type]
+    assert recorder.log == EffectLog(HEADER, ())
+    assert inner.batches == []
+    assert load_log(tmp_path / "rank.jsonl") == EffectLog(HEADER, ())
+
+
+@settings(max_examples=30)
+@given(effect_logs(), st.data())
+def test_a_streaming_recorder_file_is_always_the_log_so_far(
+    tmp_path_factory: pytest.TempPathFactory, log: EffectLog, data: st.DataObject
+) -> None:
+    directory = tmp_path_factory.mktemp("stream")
+    recorder = Recorder(log.header, path=directory / "stream.jsonl")
+    effects_left = list(log.effects)
+    while effects_left:
+        size = data.draw(st.integers(1, len(effects_left)), label="batch size")
+        recorder.perform(tuple(effects_left[:size]))
+        del effects_left[:size]
+        assert load_log(directory / "stream.jsonl") == recorder.log
+    dump_log(log, directory / "dumped.jsonl")
+    assert (directory / "stream.jsonl").read_bytes() == (directory / "dumped.jsonl").read_bytes()
+
+
+@given(effect_logs())
+def test_replaying_into_a_recorder_reproduces_the_log(log: EffectLog) -> None:
+    recorder = Recorder(log.header)
+    interpreter: Interpreter = recorder  # a Recorder is an Interpreter, structurally
+    replay(log, interpreter)
+    assert recorder.log == log
+
+
+def test_replay_performs_one_batch_per_step() -> None:
+    steps = [0, 0, 1, 1, 1, 0]
+    log = EffectLog.from_effects(HEADER, [relay_broadcast(step) for step in steps])
+    collector = BatchCollector()
+    replay(log, collector)
+    assert [[effect.step for effect in batch] for batch in collector.batches] == [
+        [0, 0],
+        [1, 1, 1],
+        [0],
+    ]
+
+
+# -- golden-log diffs ---------------------------------------------------------------
+
+
+def test_equal_logs_have_no_diff() -> None:
+    assert diff_logs(SAMPLE, EffectLog.from_effects(HEADER, SAMPLE_EFFECTS)) is None
+    assert_logs_equal(SAMPLE, SAMPLE)
+
+
+def test_the_diff_shows_the_first_differing_record_and_the_ones_before() -> None:
+    changed = list(SAMPLE_EFFECTS)
+    changed[5] = attrs.evolve(relay_broadcast(1), shape=(4, 1))
+    changed[6] = attrs.evolve(SAMPLE_EFFECTS[6], step=7)
+    actual = EffectLog.from_effects(HEADER, changed)
+    diff = diff_logs(SAMPLE, actual)
+    assert diff is not None
+    lines = diff.splitlines()
+    assert lines[0] == ("effect logs differ at record 5 (file line 7); expected 7 records, got 7:")
+    assert lines[1:4] == [f"    same     #{i}: {record_json(SAMPLE.records[i])}" for i in (2, 3, 4)]
+    assert lines[4] == f"  - expected #5: {record_json(SAMPLE.records[5])}"
+    assert lines[5] == f"  + actual   #5: {record_json(actual.records[5])}"
+    assert lines[6] == "  fields that differ: effect.shape"
+    assert len(lines) == 7
+
+
+def test_the_diff_names_a_missing_or_extra_record_and_a_changed_kind() -> None:
+    shorter = EffectLog.from_effects(HEADER, SAMPLE_EFFECTS[:3])
+    assert "the actual log ends after 3 records" in (diff_logs(SAMPLE, shorter) or "")
+    assert "the expected log ends after 3 records" in (diff_logs(shorter, SAMPLE) or "")
+    swapped = EffectLog.from_effects(HEADER, [SAMPLE_EFFECTS[1], *SAMPLE_EFFECTS[1:]])
+    assert "fields that differ: effect.kind" in (diff_logs(SAMPLE, swapped) or "")
+
+
+def test_the_diff_shows_a_differing_header() -> None:
+    other = EffectLog(attrs.evolve(HEADER, rank=3), SAMPLE.records)
+    assert diff_logs(SAMPLE, other) == "\n".join(
+        [
+            "effect log headers differ (file line 1):",
+            f"  - expected: {header_json(HEADER)}",
+            f"  + actual:   {header_json(other.header)}",
+        ]
+    )
+
+
+def test_assert_logs_equal_raises_the_diff() -> None:
+    shorter = EffectLog.from_effects(HEADER, SAMPLE_EFFECTS[:3])
+    with pytest.raises(AssertionError) as caught:
+        assert_logs_equal(SAMPLE, shorter)
+    assert str(caught.value) == diff_logs(SAMPLE, shorter)
+
+
+def test_schema_constant_is_the_documented_version() -> None:
+    assert SCHEMA == "purepp.effects/1"
