@@ -257,7 +257,6 @@ def test_a_correct_relay_moves_every_step_to_every_stage(pp: int, dp: int) -> No
     assert received.keys() == expected_receipts(world, rows, pp).keys()
     for key, tokens in expected_receipts(world, rows, pp).items():
         np.testing.assert_array_equal(received[key], tokens)
-    assert result.steps_completed == (len(rows),) * world.world_size
     assert match_collectives(dict(enumerate(result.effects)), world) is None
     assert all(not i.lifetime_violations for i in result.interpreters)
 
@@ -545,7 +544,7 @@ def test_a_collective_no_peer_posts_leaves_its_rank_waiting() -> None:
     assert waiter.awaited is not None
     assert (waiter.awaited.seq, waiter.awaited.missing) == (1, (1,))
     assert report.finished == (1,)
-    assert report.steps_completed == (1, 1)
+    assert report.at_steps == (1, None)
     assert "not posted by rank(s) 1" in report.render()
 
 
@@ -580,6 +579,33 @@ def test_a_relay_broadcast_no_peer_posts_leaves_the_stream_stuck() -> None:
     assert (pending.instance.comm, pending.missing) == (Communicator.PP_RELAY, (1,))
 
 
+def test_a_rank_held_back_by_a_stuck_peer_is_named_with_it() -> None:
+    # Rank 1 waits at step 0 for an agreement that rank 0 only issues at step 1, and
+    # with one step in flight rank 0 may not start step 1 before rank 1 ends step 0.
+    steps: dict[int, list[tuple[Effect, ...]]] = {
+        0: [(Release(step=1, op=Op.END_STEP, buffer=BufferRef("none")), pp_cpu_agreement(1))],
+        1: [(pp_cpu_agreement(0),)],
+    }
+    with pytest.raises(CollectiveMismatchError) as error:
+        simulate(Layout(pp=2, dp=1), scripted(steps), max_steps_in_flight=1)
+
+    report = report_of(error)
+    assert isinstance(report, DeadlockReport)
+    held, stuck = report.waiters
+    assert (held.rank, held.stream, held.step, held.held_back_by) == (0, None, 1, (1,))
+    assert (stuck.rank, stuck.stream, stuck.step) == (1, Stream.MAIN, 0)
+    assert report.at_steps == (1, 0)
+    assert "until rank(s) 1 complete more steps" in report.render()
+
+
+def test_steps_never_go_back() -> None:
+    steps: dict[int, list[tuple[Effect, ...]]] = {
+        0: [(pp_cpu_agreement(1),), (pp_cpu_agreement(0),)],
+    }
+    with pytest.raises(InvalidInputError, match="step-0 AllReduce after a step-1 effect"):
+        simulate(Layout(pp=1, dp=1), scripted(steps))
+
+
 # ---- ring overrun: more steps in flight than the ring is deep ------------------------------
 
 
@@ -599,7 +625,7 @@ def test_a_receiver_running_ahead_of_the_ring_is_a_ring_overrun() -> None:
     assert (report.ring_depth, report.max_steps_in_flight) == (2, 3)
     assert (report.awaited.seq, report.awaited.signature.step) == (0, 0)
     assert report.awaited.missing == (1,)
-    assert report.missing_progress == ((1, 0),)
+    assert report.peers_at == ((1, 0),)
     assert report.render().startswith("Ring overrun: rank 0 at step 2 (consume)")
 
 

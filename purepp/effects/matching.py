@@ -303,7 +303,7 @@ class DeadlockReport:
     waiters: tuple[Waiter, ...]  # every stuck stream and held-back rank, by rank
     pending: tuple[AwaitedCollective, ...]  # the oldest incomplete op of every instance
     finished: tuple[int, ...]  # ranks whose program ended
-    steps_completed: tuple[int, ...]  # steps each rank completed, indexed by rank
+    at_steps: tuple[int | None, ...]  # by rank: the step it is working on; None if finished
 
     def render(self) -> str:
         lines = ["Deadlock: no rank can make progress and no collective can complete."]
@@ -315,8 +315,10 @@ class DeadlockReport:
             lines += [f"    {awaited.describe()}" for awaited in others]
         if self.finished:
             lines.append(f"  finished their program: rank(s) {_ranks(self.finished)}")
-        steps = ", ".join(f"rank {r}: {n}" for r, n in enumerate(self.steps_completed))
-        lines.append(f"  steps completed: {steps}")
+        steps = ", ".join(
+            f"rank {r}: {'finished' if n is None else n}" for r, n in enumerate(self.at_steps)
+        )
+        lines.append(f"  at step: {steps}")
         return "\n".join(lines)
 
     def fix(self) -> str:
@@ -337,13 +339,11 @@ class RingOverrunReport:
     awaited: AwaitedCollective  # the relay collective behind the event
     ring_depth: int  # steps between that collective and the consume
     max_steps_in_flight: int  # how far ranks of a pipeline may run ahead of each other
-    missing_progress: tuple[tuple[int, int], ...]  # (rank, steps completed) of absent peers
+    peers_at: tuple[tuple[int, int | None], ...]  # (rank, step it is working on), absent peers
 
     def render(self) -> str:
         what = f"event {self.event.name}" if self.event is not None else "the relay stream"
-        progress = ", ".join(
-            f"rank {r} has completed {n} step(s)" for r, n in self.missing_progress
-        )
+        progress = ", ".join(f"rank {r} is still at step {n}" for r, n in self.peers_at)
         return "\n".join(
             (
                 f"Ring overrun: rank {self.rank} at step {self.step} ({self.op.value}) waits on"

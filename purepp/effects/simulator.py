@@ -1,9 +1,12 @@
 """Every rank of a PP x DP world in one process: collectives matched, data moved, hangs named.
 
-Each rank runs a *program*: a generator that yields one tuple of effects per decode
-step (and may bind inputs and read outputs through its interpreter between
-yields). The simulator issues each rank's effects on that rank's
-`NumpyInterpreter` and acts as every communicator:
+Each rank runs a *program*: a generator that yields tuples of effects in step order
+(one per decode step, or several, e.g. to read a step's outputs through its
+interpreter before the step's releases). Between yields it may bind inputs and
+read outputs: when it resumes, everything it yielded has been issued and the host
+is not blocked. Progress is measured by the `step` the effects carry. The
+simulator issues each rank's effects on that rank's `NumpyInterpreter` and acts
+as every communicator:
 
 - A collective completes once every member of its communicator instance has
   posted its matching op (same op number in issue order) and the op has reached
@@ -13,8 +16,8 @@ yields). The simulator issues each rank's effects on that rank's
 - Posts are compared as they arrive (`check_posts`): a member that disagrees on
   kind, source, step, shape or dtype stops the run with a `MismatchReport`.
 - Ranks run greedily, lowest rank first: each issues effects until its host
-  blocks, its program ends, or it would start a step more than
-  `max_steps_in_flight` steps ahead of the slowest stage of its pipeline. That is
+  blocks, its program ends, or its next effect belongs to step s while a stage of
+  its pipeline has not yet issued all of step s - `max_steps_in_flight`. That is
   the adversarial schedule for a receiver: it consumes as early as the steps in
   flight allow. If the host then blocks on a relay event (or stream) whose
   broadcast a peer has not posted yet, the receiver has outrun the ring: the run
@@ -84,7 +87,7 @@ class RankContext:
     interpreter: NumpyInterpreter  # this rank's interpreter
 
 
-# A rank's program: one tuple of effects per decode step, in order.
+# A rank's program: tuples of effects in step order (a step may span several tuples).
 RankProgram: TypeAlias = Callable[[RankContext], Iterator[tuple[Effect, ...]]]
 
 
@@ -95,7 +98,6 @@ class SimulationResult:
     world: Layout  # the layout that ran
     interpreters: tuple[NumpyInterpreter, ...]  # by global rank, in their final state
     effects: tuple[tuple[Effect, ...], ...]  # by global rank, every effect issued, in order
-    steps_completed: tuple[int, ...]  # by global rank, steps its program yielded
 
     def interpreter(self, rank: int) -> NumpyInterpreter:
         return self.interpreters[rank]
@@ -212,11 +214,26 @@ class _Rank:
         self.context = context
         self.interpreter = context.interpreter
         self.program = program
-        self.pending: deque[Effect] = deque()  # the current step's effects not yet issued
-        self.in_step = False  # a step was pulled and not all of it has been issued
-        self.completed = 0  # steps fully issued
+        self.pending: deque[Effect] = deque()  # effects yielded and not yet issued
+        self.yields = 0  # tuples the program has yielded
         self.finished = False  # the program is exhausted
         self.issued: list[Effect] = []  # every effect issued, in order
+
+    def at_step(self) -> int | None:
+        """The step this rank is working on (every earlier step is fully issued); None
+        once its program has ended and everything it yielded is issued."""
+        stalls = self.interpreter.stalls()
+        if self.interpreter.host_blocked():
+            return next(s.effect.step for s in stalls if s.stream is Stream.MAIN)
+        if self.pending:
+            return self.pending[0].step
+        if self.finished:
+            return None
+        # Between yields: the next tuple may still belong to the last issued step.
+        return self.issued[-1].step if self.issued else 0
+
+
+_END = object()  # what `next` returns for an exhausted program
 
 
 class _Simulation:
@@ -249,7 +266,6 @@ class _Simulation:
             world=self._world,
             interpreters=tuple(r.interpreter for r in self._ranks),
             effects=tuple(tuple(r.issued) for r in self._ranks),
-            steps_completed=tuple(r.completed for r in self._ranks),
         )
 
     def _done(self) -> bool:
@@ -273,43 +289,44 @@ class _Simulation:
                 moved |= rank.interpreter.advance()
 
     def _advance(self, rank: _Rank) -> bool:
-        """Issue `rank`'s effects until it blocks, ends or may not start its next step."""
+        """Issue `rank`'s effects until it blocks, ends or would run too far ahead."""
         progressed = False
         while not rank.interpreter.host_blocked():
-            if rank.pending:
-                effect = rank.pending.popleft()
-                rank.issued.append(effect)
-                rank.interpreter.issue(effect)
-                self._pump()
+            if not rank.pending:
+                if rank.finished:
+                    return progressed
+                step = next(rank.program, _END)
                 progressed = True
-                if rank.interpreter.host_blocked():
-                    self._check_overrun(rank)
+                if step is _END:
+                    rank.finished = True
+                    return progressed
+                rank.pending.extend(_checked_step(rank.context.rank, rank.yields, step))
+                rank.yields += 1
                 continue
-            if rank.in_step:
-                rank.in_step = False
-                rank.completed += 1
-                progressed = True
-            if rank.finished or self._held_back_by(rank):
+            effect = rank.pending[0]
+            if self._held_back_by(rank, effect.step):
                 return progressed
-            step = next(rank.program, None)
+            _check_order(rank, effect)
+            rank.pending.popleft()
+            rank.issued.append(effect)
+            rank.interpreter.issue(effect)
+            self._pump()
             progressed = True
-            if step is None:
-                rank.finished = True
-                return progressed
-            rank.pending.extend(_checked_step(rank.context.rank, rank.completed, step))
-            rank.in_step = True
+            if rank.interpreter.host_blocked():
+                self._check_overrun(rank)
         return progressed
 
-    def _held_back_by(self, rank: _Rank) -> tuple[int, ...]:
-        """Pipeline peers too far behind for `rank` to start its next step."""
+    def _held_back_by(self, rank: _Rank, step: int) -> tuple[int, ...]:
+        """Pipeline peers too far behind for `rank` to issue an effect of `step`."""
         peers = comm_group(self._world, rank.context.rank, Communicator.PP_CPU)
-        # Starting step s needs every stage to have completed step s - max_steps_in_flight.
-        return tuple(
-            peer
-            for peer in peers
-            if not self._ranks[peer].finished
-            and self._ranks[peer].completed <= rank.completed - self._in_flight
-        )
+        # Step s may start once every stage has issued all of step s - max_steps_in_flight.
+        limit = step - self._in_flight
+        held_back_by: list[int] = []
+        for peer in peers:
+            at_step = self._ranks[peer].at_step()
+            if peer != rank.context.rank and at_step is not None and at_step <= limit:
+                held_back_by.append(peer)
+        return tuple(held_back_by)
 
     def _check_overrun(self, rank: _Rank) -> None:
         """A host wait on an earlier step's collective that a live peer has not even posted
@@ -332,7 +349,7 @@ class _Simulation:
             awaited=awaited,
             ring_depth=effect.step - awaited.signature.step,
             max_steps_in_flight=self._in_flight,
-            missing_progress=tuple((r, self._ranks[r].completed) for r in live),
+            peers_at=tuple((r, self._ranks[r].at_step()) for r in live),
         )
         raise CollectiveReportError.from_report(_CALL, report)
 
@@ -351,25 +368,37 @@ class _Simulation:
         waiters: list[Waiter] = []
         for rank in self._ranks:
             waiters += [self._waiter(rank, stall) for stall in rank.interpreter.stalls()]
-            held_back_by = self._held_back_by(rank)
-            if not rank.interpreter.host_blocked() and not rank.finished and held_back_by:
-                waiters.append(
-                    Waiter(
-                        rank=rank.context.rank,
-                        stream=None,
-                        step=rank.completed,
-                        op=None,
-                        waiting_at=f"the start of its step #{rank.completed}"
-                        f" (max_steps_in_flight={self._in_flight})",
-                        awaited=None,
-                        held_back_by=held_back_by,
-                    )
+            if rank.interpreter.host_blocked() or not rank.pending:
+                continue
+            effect = rank.pending[0]
+            waiters.append(
+                Waiter(
+                    rank=rank.context.rank,
+                    stream=None,
+                    step=effect.step,
+                    op=effect.op,
+                    waiting_at=f"{describe_effect(effect)}, not yet issued"
+                    f" (max_steps_in_flight={self._in_flight})",
+                    awaited=None,
+                    held_back_by=self._held_back_by(rank, effect.step),
                 )
+            )
         return DeadlockReport(
             waiters=tuple(waiters),
             pending=self._hub.incomplete(),
-            finished=tuple(r.context.rank for r in self._ranks if r.finished),
-            steps_completed=tuple(r.completed for r in self._ranks),
+            finished=tuple(r.context.rank for r in self._ranks if r.finished and not r.pending),
+            at_steps=tuple(r.at_step() for r in self._ranks),
+        )
+
+
+def _check_order(rank: _Rank, effect: Effect) -> None:
+    last = rank.issued[-1].step if rank.issued else effect.step
+    if effect.step < last:
+        raise InvalidInputError(
+            _CALL,
+            f"rank {rank.context.rank} issues a step-{effect.step} {type(effect).__name__}"
+            f" after a step-{last} effect",
+            "yield each rank's effects in step order (steps never go back)",
         )
 
 
