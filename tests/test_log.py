@@ -292,6 +292,21 @@ BAD_LOGS: dict[str, tuple[Mutation, int, str]] = {
         1,
         "required field missing @ header.world",
     ),
+    "header without config": (
+        edit(1, lambda h: h.pop("config")),
+        1,
+        "required field missing @ header.config",
+    ),
+    "config not an object": (
+        edit(1, lambda h: h.update(config=[1])),
+        1,
+        "expected a JSON object, got a list",
+    ),
+    "world not an object": (
+        edit(1, lambda h: h.update(world=[2, 2])),
+        1,
+        "expected an object for Layout, got a list \\[2, 2\\] @ header.world",
+    ),
     "header rank outside world": (
         edit(1, lambda h: h.update(rank=4)),
         1,

@@ -25,8 +25,10 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, get_args, get_origin
 
+import attrs
 import cattrs
 import numpy as np
+from cattrs.gen import make_dict_structure_fn
 from cattrs.strategies import configure_tagged_union
 from cattrs.v import format_exception
 
@@ -265,6 +267,21 @@ def _unstructure_array(array: IntArray) -> dict[str, object]:
     return {"shape": list(array.shape), "values": array.tolist()}
 
 
+def _structure_attrs_factory(
+    cls: type, converter: cattrs.Converter
+) -> Callable[[object, type], Any]:
+    # cattrs' generated function indexes into the value; a list there would surface
+    # as an AttributeError, so say plainly that an object was expected.
+    generated: Callable[[Mapping[str, Any], type], Any] = make_dict_structure_fn(cls, converter)
+
+    def structure(value: object, _: type) -> Any:
+        if type(value) is not dict:
+            raise _expect(f"an object for {cls.__name__}", value)
+        return generated(value, cls)
+
+    return structure
+
+
 def _structure_json_object(value: object, _: type) -> JSONObject:
     if type(value) is not dict:
         raise _expect("a JSON object", value)
@@ -309,6 +326,7 @@ def _register_effect_union(converter: cattrs.Converter) -> None:
 
 def _make_converter() -> cattrs.Converter:
     converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    converter.register_structure_hook_factory(attrs.has, _structure_attrs_factory)
     converter.register_structure_hook(int, _structure_int)
     converter.register_structure_hook(str, _structure_str)
     # operator.index: a numpy integer in a shape is written as a plain int, a float refused.

@@ -422,6 +422,10 @@ class _LineReader:
                 f"{what}; this purepp reads only {SCHEMA!r}",
                 "read it with the purepp version that wrote it, or record the run again",
             )
+        # Every key is required in a file, even those LogHeader has a default for.
+        missing = [field.name for field in attrs.fields(LogHeader) if field.name not in obj]
+        if missing:
+            raise self.fail(1, f"required field missing @ header.{missing[0]}")
         try:
             header = CONVERTER.structure(obj, LogHeader)
         except (cattrs.BaseValidationError, PureppError, ValueError, TypeError, KeyError) as exc:
