@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
+import torch.distributed as dist
 
 from purepp.effects.torch_interpreter import Backend, TorchInterpreter, build_communicators
 from purepp.effects.vocabulary import (
@@ -287,6 +288,7 @@ def dies_before_broadcast(ctx: RankContext) -> str:
     )
     interp = TorchInterpreter(device=ctx.device, groups=groups, rank=ctx.rank)
     interp.bind(BufferRef("probe"), torch.zeros((2, 3), dtype=torch.int64))
+    dist.barrier()  # both ranks have finished connecting every group
     if ctx.rank == 1:
         os._exit(0)  # gone without a word, as a crashed worker would be
     interp.perform((_relay_broadcast(0),))

@@ -498,6 +498,8 @@ def test_a_consume_like_step_makes_no_device_to_host_sync() -> None:
     interp.perform(consume_like_step(0, n, slots, width))  # warm-up: first-use allocations
     torch.cuda.set_sync_debug_mode("error")
     try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            table.nonzero()  # the mode is on: a data-dependent shape would fail the step
         for step in range(1, 4):
             interp.perform(consume_like_step(step, n, slots, width))
     finally:

@@ -170,9 +170,18 @@ def _check_layout(
 
 
 def _new_group(
-    ranks: tuple[int, ...], backend: Backend, timeout: datetime.timedelta, desc: str
+    ranks: tuple[int, ...], backend: Backend, timeout: datetime.timedelta, comm: Communicator
 ) -> dist.ProcessGroup | None:
-    group = dist.new_group(ranks, timeout=timeout, backend=backend, group_desc=desc)
+    try:
+        group = dist.new_group(ranks, timeout=timeout, backend=backend, group_desc=comm.value)
+    except RuntimeError as error:
+        raise PeerFailureError(
+            "build_communicators",
+            f"creating the {backend} group for {comm.value} over ranks {ranks} failed on rank "
+            f"{dist.get_rank()}: {error}",
+            "read the other ranks' logs: a peer died or never called build_communicators "
+            "with the same groups",
+        ) from error
     return group if isinstance(group, dist.ProcessGroup) else None
 
 
@@ -201,12 +210,15 @@ def build_communicators(
     dp = _check_layout(call, "DP", dp_groups, world_size)
     created: list[tuple[Communicator, dist.ProcessGroup | None]] = []
     for ranks in pp:
-        created.append(
-            (Communicator.PP_RELAY, _new_group(ranks, relay_backend, timeout, "pp_relay"))
-        )
-        created.append((Communicator.PP_CPU, _new_group(ranks, "gloo", timeout, "pp_cpu")))
+        for comm, backend in (
+            (Communicator.PP_RELAY, relay_backend),
+            (Communicator.PP_CPU, "gloo"),
+        ):
+            created.append((comm, _new_group(ranks, backend, timeout, comm)))
     for ranks in dp:
-        created.append((Communicator.DP_CPU, _new_group(ranks, "gloo", timeout, "dp_cpu")))
+        created.append(
+            (Communicator.DP_CPU, _new_group(ranks, "gloo", timeout, Communicator.DP_CPU))
+        )
     return {comm: group for comm, group in created if group is not None}
 
 
