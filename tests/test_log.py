@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import effect_logs, effects_of, json_objects, layouts, log_headers
 
 from purepp.effects._converter import CONVERTER, structure_effect, unstructure_effect
 from purepp.effects.interpreter import Interpreter
@@ -53,6 +52,7 @@ from purepp.effects.vocabulary import (
     WaitStream,
 )
 from purepp.errors import ConfigError, InterpreterError, InvalidInputError, LogFormatError
+from tests.strategies import effect_logs, effects_of, json_objects, layouts, log_headers
 
 # -- a small realistic log --------------------------------------------------------
 

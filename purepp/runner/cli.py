@@ -272,14 +272,21 @@ def _worker_argv(settings: RunSettings, log_dir: str | None, trace: str | None) 
     return argv
 
 
-def launch(settings: RunSettings, *, log_dir: str | None = None, trace: str | None = None) -> RunSummary:
+def launch(
+    settings: RunSettings, *, log_dir: str | None = None, trace: str | None = None
+) -> RunSummary:
     """Run the world and the single-stage reference side by side; summarise both."""
     _check_before_start(settings, log_dir, trace)
     reference_settings = attrs.evolve(settings, pp=1, dp=1, steps=0, backend="gloo")
     with tempfile.TemporaryDirectory(prefix="purepp-run-") as tmp:
-        world = _World("run", settings.world_size, _worker_argv(settings, log_dir, trace), Path(tmp) / "run")
+        world = _World(
+            "run", settings.world_size, _worker_argv(settings, log_dir, trace), Path(tmp) / "run"
+        )
         reference = _World(
-            "reference", 1, [*_worker_argv(reference_settings, None, None), "--no-aborts"], Path(tmp) / "ref"
+            "reference",
+            1,
+            [*_worker_argv(reference_settings, None, None), "--no-aborts"],
+            Path(tmp) / "ref",
         )
         worlds = [world, reference]
         try:

@@ -31,6 +31,7 @@ from purepp.cudagraph import CaptureMode, CudaGraphDispatcher
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.effects.vocabulary import BufferRef, DType, TensorSpec
+from purepp.errors import StaleTokenError
 from purepp.relay import (
     DRAFT_TOKENS,
     IDX_MAPPING,
@@ -46,7 +47,6 @@ from purepp.relay import (
     init_relay,
     receive,
 )
-from purepp.errors import StaleTokenError
 from purepp.runner.scheduler import ScheduledRow, ScheduledStep, Scheduler, SchedulerConfig
 from purepp.runner.settings import RunSettings
 from purepp.runner.toy_model import (

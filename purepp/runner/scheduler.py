@@ -155,9 +155,7 @@ class Scheduler:
         if state is None:
             return
         request = state.request
-        self.outputs[request.request_id] = state.tokens[len(request.prompt) :][
-            : request.max_tokens
-        ]
+        self.outputs[request.request_id] = state.tokens[len(request.prompt) :][: request.max_tokens]
         (self.finished if finished else self.aborted).add(request.request_id)
         self.slots[slot] = None
 

@@ -34,7 +34,11 @@ class RunSettings:
         checks = (
             (self.pp >= 1, f"--pp {self.pp}", "use at least 1 pipeline stage"),
             (self.dp >= 1, f"--dp {self.dp}", "use at least 1 replica"),
-            (self.pp <= self.num_layers, f"--pp {self.pp}", f"use at most {self.num_layers} stages"),
+            (
+                self.pp <= self.num_layers,
+                f"--pp {self.pp}",
+                f"use at most {self.num_layers} stages",
+            ),
             (self.steps >= 0, f"--steps {self.steps}", "use 0 (automatic) or more steps"),
             (self.requests >= 0, f"--requests {self.requests}", "use 0 or more requests"),
             (

@@ -24,8 +24,8 @@ __all__ = [
     "MODULUS",
     "ForwardPlan",
     "LayerWeights",
-    "layers_of_stage",
     "ToyStage",
+    "layers_of_stage",
     "next_token_rule",
     "propose_drafts",
     "reference_generate",
@@ -111,7 +111,9 @@ def layers_of_stage(stage: int, pp_size: int, num_layers: int) -> range:
     return range(start, start + base + (1 if stage < extra else 0))
 
 
-def _layer(weights: LayerWeights, layer: int, folded: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _layer(
+    weights: LayerWeights, layer: int, folded: torch.Tensor, x: torch.Tensor
+) -> torch.Tensor:
     return (folded * weights.mix % MODULUS + x * weights.skip % MODULUS + layer) % MODULUS
 
 
@@ -168,7 +170,9 @@ class ToyStage:
         self.cache[:, slot].zero_()
 
 
-def next_token_rule(hidden: torch.Tensor, input_tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def next_token_rule(
+    hidden: torch.Tensor, input_tokens: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
     """The token predicted after each row: usually input + 1, else hidden-derived."""
     follow = (input_tokens + 1) % vocab_size
     jump = (hidden // 4) % vocab_size

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 
-
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.vocabulary import COLLECTIVES, Broadcast, Effect
 
@@ -55,7 +54,11 @@ class Tracer:
             self._sequence[comm] = self._sequence.get(comm, -1) + 1
             args |= {"comm": comm, "comm_seq": self._sequence[comm]}
             if isinstance(effect, Broadcast):
-                args |= {"shape": list(effect.shape), "dtype": effect.dtype.value, "src": effect.src}
+                args |= {
+                    "shape": list(effect.shape),
+                    "dtype": effect.dtype.value,
+                    "src": effect.src,
+                }
         return {
             "ph": "X",
             "name": type(effect).__name__,

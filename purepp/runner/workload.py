@@ -45,7 +45,10 @@ class WorkloadConfig:
                 f"num_requests={self.num_requests}, dp_size={self.dp_size}",
                 "use num_requests >= 0 and dp_size >= 1",
             )
-        if not 1 <= self.min_prompt <= self.max_prompt or not 1 <= self.min_output <= self.max_output:
+        if (
+            not 1 <= self.min_prompt <= self.max_prompt
+            or not 1 <= self.min_output <= self.max_output
+        ):
             raise ConfigError(
                 "WorkloadConfig",
                 f"prompt {self.min_prompt}..{self.max_prompt}, "

@@ -1,0 +1,163 @@
+"""The research runner: toy model, scheduler, parity verdict, and whole runs over gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from purepp.errors import ConfigError
+from purepp.runner.cli import launch
+from purepp.runner.parity import check_parity
+from purepp.runner.scheduler import Scheduler, SchedulerConfig
+from purepp.runner.settings import RunSettings
+from purepp.runner.toy_model import (
+    ForwardPlan,
+    ToyStage,
+    layers_of_stage,
+    next_token_rule,
+    reference_generate,
+)
+from purepp.runner.workload import Request, WorkloadConfig, make_workload
+
+VOCAB = 1000
+
+
+def _generate_with_stages(
+    prompt: tuple[int, ...], max_tokens: int, pp: int, num_layers: int, chunk: int
+) -> list[int]:
+    """Decode one request through `pp` ToyStages, prefilling in chunks."""
+    cpu = torch.device("cpu")
+    stages = [ToyStage(layers_of_stage(s, pp, num_layers), 2, 128, cpu) for s in range(pp)]
+    history = list(prompt)
+    outputs: list[int] = []
+    position = 0
+    while len(outputs) < max_tokens:
+        size = min(chunk, len(history) - position)
+        plan = ForwardPlan.build(16, [1], [position], [history[position : position + size]])
+        hidden: torch.Tensor | None = None
+        for stage in stages:
+            hidden = stage.forward(plan, hidden)
+        assert hidden is not None
+        position += size
+        if position == len(history):
+            last = torch.from_numpy(plan.last_rows)
+            token = next_token_rule(hidden[last], torch.from_numpy(plan.token_ids)[last], VOCAB)
+            history.append(int(token[0]))
+            outputs.append(int(token[0]))
+    return outputs
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 5])
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_pipeline_stages_compute_the_single_stage_model(pp: int, chunk: int) -> None:
+    prompt = (5, 17, 900, 3, 3, 41)
+    expected = reference_generate(prompt, 10, num_layers=5, vocab_size=VOCAB)
+    assert _generate_with_stages(prompt, 10, pp, num_layers=5, chunk=chunk) == expected
+
+
+def test_layers_are_split_contiguously_and_completely() -> None:
+    for pp in range(1, 9):
+        layers = [list(layers_of_stage(s, pp, 8)) for s in range(pp)]
+        assert [layer for stage in layers for layer in stage] == list(range(8))
+        assert max(map(len, layers)) - min(map(len, layers)) <= 1
+
+
+def _scheduler(spec: int = 0, pp: int = 2) -> Scheduler:
+    request = Request(
+        request_id=7,
+        replica=0,
+        arrival_step=0,
+        prompt=(1, 2, 3, 4, 5),
+        max_tokens=2,
+        abort_after_steps=None,
+    )
+    config = SchedulerConfig(
+        max_num_reqs=2,
+        max_num_batched_tokens=16,
+        chunk_size=3,
+        num_speculative_steps=spec,
+        pp_size=pp,
+    )
+    return Scheduler(config, [request])
+
+
+def test_prefill_is_chunked_and_only_the_final_chunk_samples() -> None:
+    scheduler = _scheduler()
+    assert scheduler.admit(0) == [0]
+    first = scheduler.schedule(0)
+    assert [r.token_ids for r in first.rows] == [(1, 2, 3)]
+    assert not first.rows[0].samples
+    assert scheduler.schedule(1).rows == ()  # in flight until step 0 + pp_size
+    second = scheduler.schedule(2)
+    assert [r.token_ids for r in second.rows] == [(4, 5)]
+    assert second.rows[0].samples
+    assert second.batch.num_computed_tokens.tolist() == [3]
+    assert second.batch.prefill_len.tolist() == [5]
+
+
+def test_request_finishes_exactly_at_max_tokens_and_frees_its_slot() -> None:
+    scheduler = _scheduler(spec=2)
+    scheduler.admit(0)
+    state = scheduler.slots[0]
+    assert state is not None
+    state.num_computed, state.tokens = 5, [*state.tokens, 8]  # prefilled, first token out
+    row = scheduler.schedule(0).rows[0]
+    # Three tokens arrive for a request that wants two: it stops at exactly two.
+    assert scheduler.apply_outputs(row, 0, [9, 10], num_rejected=0, drafts=[])
+    assert scheduler.outputs[7] == [8, 9]
+    assert scheduler.finished == {7}
+    assert scheduler.slots == [None, None]
+
+
+def test_uniform_token_count_only_for_alike_decode_rows() -> None:
+    scheduler = _scheduler(spec=2)
+    scheduler.admit(0)
+    state = scheduler.slots[0]
+    assert state is not None
+    assert scheduler.schedule(0).uniform_token_count is None  # a prefill chunk
+    state.num_computed, state.tokens, state.drafts = 5, [*state.tokens, 6], [7, 8]
+    state.in_flight_until = 0
+    assert scheduler.schedule(2).uniform_token_count == 3
+
+
+def test_parity_verdict_reports_the_first_difference() -> None:
+    reference = {0: [1, 2, 3], 1: [4, 5, 6]}
+    ok = check_parity({0: [1, 2, 3], 1: [4, 5]}, frozenset({0}), reference)
+    assert ok.ok
+    assert (ok.exact, ok.prefixes) == (1, 1)
+    bad = check_parity({0: [1, 2, 3], 1: [4, 9]}, frozenset({0}), reference)
+    assert bad.mismatch is not None
+    assert (bad.mismatch.request_id, bad.mismatch.position) == (1, 1)
+    assert (bad.mismatch.expected, bad.mismatch.actual) == (5, 9)
+    assert "request 1, output position 1: expected 5, got 9" in bad.render()
+    short = check_parity({0: [1, 2]}, frozenset({0}), {0: [1, 2, 3]})
+    assert short.mismatch is not None
+    assert short.mismatch.why == "finished early"
+
+
+def test_workload_aborts_land_at_every_ring_offset_and_respect_seed() -> None:
+    workload = make_workload(WorkloadConfig(num_requests=40, dp_size=2, seed=3))
+    assert workload == make_workload(WorkloadConfig(num_requests=40, dp_size=2, seed=3))
+    offsets = {r.abort_after_steps for r in workload.requests} - {None}
+    assert offsets >= {0, 1, 2, 3}
+    assert {r.replica for r in workload.requests} == {0, 1}
+
+
+def test_settings_reject_bad_options() -> None:
+    for bad in (dict(pp=0), dict(dp=0), dict(spec=99), dict(backend="mpi"), dict(timeout_s=0)):
+        with pytest.raises(ConfigError, match="purepp run"):
+            RunSettings(**bad)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("pp", "dp", "spec"),
+    [(2, 2, 2), (3, 1, 1), (1, 2, 0)],
+)
+def test_pp_dp_run_matches_single_stage_run(pp: int, dp: int, spec: int) -> None:
+    summary = launch(RunSettings(pp=pp, dp=dp, spec=spec, requests=10, timeout_s=30))
+    assert summary.verdict.ok, summary.verdict.render()
+    assert summary.verdict.exact > 0
+    assert summary.tokens > 0
+    if spec:
+        assert 0 < summary.drafts_accepted < summary.drafts_proposed  # some drafts rejected
