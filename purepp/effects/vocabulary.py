@@ -62,6 +62,8 @@ class Communicator(enum.Enum):
 
 
 class DType(enum.Enum):
+    """Element type of a buffer; part of a collective's wire contract."""
+
     INT64 = "int64"
     INT32 = "int32"
     BOOL = "bool"

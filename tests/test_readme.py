@@ -1,0 +1,40 @@
+"""The README's embedding example runs as written (mypy checks tests/readme_example.py)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "tests" / "readme_example.py"
+
+
+def _readme_python_blocks() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_readme_example_is_the_checked_file() -> None:
+    # The first python block is tests/readme_example.py without its docstring line.
+    body = EXAMPLE.read_text().split("\n", 2)[2]
+    assert _readme_python_blocks()[0] == body
+
+
+def test_readme_example_runs() -> None:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Broadcast" in result.stdout
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(
+        r"<!-- test-command -->\n```\n(.*?)\n```\n<!-- /test-command -->", readme, re.S
+    )
+    assert block is not None
+    assert "pytest" in block.group(1)
+    assert "sed -n '/<!-- test-command -->/" in (ROOT / ".ci" / "run").read_text()

@@ -1,0 +1,56 @@
+"""The house rules, checked by the test suite so CI enforces them: the strict type
+check (which also checks the type-only tests in typecheck_api.py), the linter, and
+the public surface."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import purepp
+import purepp.effects
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def test_mypy_strict_is_clean() -> None:
+    result = _run(sys.executable, "-m", "mypy", "--strict", "purepp", "tests")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is not installed")
+def test_ruff_is_clean() -> None:
+    check = _run("ruff", "check", ".")
+    assert check.returncode == 0, check.stdout
+    formatted = _run("ruff", "format", "--check", ".")
+    assert formatted.returncode == 0, formatted.stdout
+
+
+@pytest.mark.parametrize("module", [purepp, purepp.effects])
+def test_public_names_exist_and_are_documented(module: object) -> None:
+    names = module.__all__  # type: ignore[attr-defined]
+    assert len(set(names)) == len(names)
+    for name in names:
+        value = getattr(module, name)
+        if callable(value):
+            assert value.__doc__, f"{name} has no docstring"
+
+
+def test_package_is_typed() -> None:
+    assert (Path(purepp.__file__).parent / "py.typed").exists()
+
+
+def test_importing_the_pure_core_does_not_import_torch() -> None:
+    code = "import sys, purepp, purepp.relay, purepp.dp; print('torch' in sys.modules)"
+    result = _run(sys.executable, "-c", code)
+    assert result.stdout.strip() == "False"

@@ -1,0 +1,60 @@
+"""Type-only tests: mypy checks this file (it is under tests/), pytest never runs it.
+
+They pin the public API's types, so a change that loosens a signature fails the
+type check (see tests/test_tooling.py).
+"""
+
+from __future__ import annotations
+
+from typing import assert_type
+
+import numpy as np
+
+import purepp
+from purepp.effects import BufferRef, DType, Effect, TensorSpec
+from purepp.effects.arrays import BoolArray
+
+
+def _relay_steps(config: purepp.RelayConfig, batch: purepp.BatchFacts) -> None:
+    state = purepp.init_relay(config)
+    assert_type(state, purepp.RelayState)
+    consumed = purepp.consume_previous_step(config, state, BufferRef("drafts"))
+    assert_type(consumed, purepp.Step[purepp.RelayState, purepp.ConsumedOutputs | None])
+    assert_type(consumed.effects, tuple[Effect, ...])
+    received = purepp.receive(config, consumed.state, batch)
+    assert_type(received, purepp.Step[purepp.RelayState, bool])
+    sent = purepp.broadcast_sampled(
+        config, state, batch, TensorSpec(shape=(2, 1), dtype=DType.INT64)
+    )
+    assert_type(sent.result, bool)
+    freed = purepp.free_request_slots(config, state, [0, 1])
+    assert_type(freed, purepp.Step[purepp.RelayState, None])
+    ended = purepp.end_step(config, received.state)
+    assert_type(ended.state, purepp.RelayState)
+    assert_type(purepp.need_sampled_mask(batch), BoolArray | None)
+    merged = purepp.relay_aux_hidden_states(config, {"aux": 1.5}, {"hidden": 2.5})
+    assert_type(merged, dict[str, float])
+
+
+def _agreement(dispatcher: purepp.CudaGraphDispatcher) -> None:
+    started = purepp.start_agreement(
+        dispatcher,
+        step=0,
+        num_reqs=2,
+        num_tokens=2,
+        uniform_token_count=1,
+        dp_size=2,
+        dp_rank=0,
+    )
+    if started.state is None:
+        assert_type(started.result, purepp.DispatchOutcome)
+        return
+    assert_type(started.state, purepp.PendingAgreement)
+    waited = purepp.wait_for_agreement(started.state)
+    assert_type(waited.result, BufferRef)
+    table = np.zeros((5, 2), dtype=np.int32)
+    decided = purepp.finish_agreement(started.state, table)
+    assert_type(decided.result, purepp.DispatchOutcome)
+    assert_type(decided.result.descriptor, purepp.BatchExecutionDescriptor)
+    assert_type(decided.result.sync, purepp.DPSyncState | None)
+    assert_type(decided.result.descriptor.cg_mode, purepp.CUDAGraphMode)
