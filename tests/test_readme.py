@@ -30,6 +30,16 @@ def test_readme_example_runs() -> None:
     assert "Broadcast" in result.stdout
 
 
+def test_every_readme_python_block_runs(tmp_path: Path) -> None:
+    for index, block in enumerate(_readme_python_blocks()):
+        script = tmp_path / f"block{index}.py"
+        script.write_text(block)
+        result = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert result.returncode == 0, f"README python block {index}:\n{result.stderr}"
+
+
 def test_readme_test_command_is_what_ci_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     block = re.search(
