@@ -6,6 +6,7 @@ so a caller mutating its own array never changes a value purepp handed back.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import attrs
@@ -18,10 +19,20 @@ IntArray = npt.NDArray[np.int32]
 BoolArray = npt.NDArray[np.bool_]
 
 
+# Arrays this module made read-only, by id: they are shared instead of copied again, so
+# `attrs.evolve` on a state does not copy every array it holds. Keyed weakly by id
+# (ndarrays are unhashable), checked by identity.
+_FROZEN: weakref.WeakValueDictionary[int, npt.NDArray[Any]] = weakref.WeakValueDictionary()
+
+
 def readonly(values: npt.ArrayLike, dtype: type[np.generic]) -> npt.NDArray[Any]:
-    """A read-only copy of `values` as a C-contiguous array of `dtype`."""
+    """A read-only copy of `values` as a C-contiguous array of `dtype` (or `values`
+    itself when it is already such an array made by this function)."""
+    if _FROZEN.get(id(values)) is values and values.dtype == dtype:
+        return values
     out = np.array(values, dtype=dtype, copy=True, order="C")
     out.flags.writeable = False
+    _FROZEN[id(out)] = out
     return out
 
 
