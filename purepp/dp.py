@@ -29,7 +29,15 @@ import numpy.typing as npt
 
 from purepp.cudagraph import BatchExecutionDescriptor, CudaGraphDispatcher, CUDAGraphMode
 from purepp.effects.arrays import IntArray, array_field, readonly
-from purepp.effects.vocabulary import AllReduce, BufferRef, Communicator, Op, WaitWork, WorkRef
+from purepp.effects.vocabulary import (
+    AllReduce,
+    BufferRef,
+    Communicator,
+    Op,
+    Release,
+    WaitWork,
+    WorkRef,
+)
 from purepp.errors import CollectiveMismatchError, ConfigError, InvalidInputError, StaleSyncError
 from purepp.step import Step
 
@@ -409,11 +417,14 @@ def finish_agreement(
       every rank's entry becomes the padded count, and the agreed request bound is the
       FULL graph's padded count, else the most any rank scheduled.
 
+    The one effect releases the reduced table's binding: the caller has read it.
+
     Raises InvalidInputError when the table is not the int32 [5, dp_size] sum of the
     ranks' contributions for this agreement.
     """
     table = _check_table(pending, reduced_table)
-    return Step(state=None, effects=(), result=_decide(pending, table))
+    release = Release(step=pending.step, op=Op.AGREE, buffer=pending.table)
+    return Step(state=None, effects=(release,), result=_decide(pending, table))
 
 
 def _check_table(pending: PendingAgreement, reduced_table: npt.NDArray[Any]) -> IntArray:

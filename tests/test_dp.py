@@ -28,7 +28,15 @@ from purepp.dp import (
     table_contribution,
     wait_for_agreement,
 )
-from purepp.effects.vocabulary import AllReduce, BufferRef, Communicator, Op, WaitWork, WorkRef
+from purepp.effects.vocabulary import (
+    AllReduce,
+    BufferRef,
+    Communicator,
+    Op,
+    Release,
+    WaitWork,
+    WorkRef,
+)
 from purepp.errors import (
     CollectiveMismatchError,
     ConfigError,
@@ -359,7 +367,7 @@ def test_finish_matches_a_table_reduced_by_hand() -> None:
     reduced = first.contribution + second.contribution
     decided = finish_agreement(second, reduced)
     assert decided.state is None
-    assert decided.effects == ()
+    assert decided.effects == (Release(step=second.step, op=Op.AGREE, buffer=second.table),)
     assert decided.result == DispatchOutcome(
         descriptor=desc(FULL, 8, 4, uniform=2), sync=sync([8, 8], uniform=2, reqs=4)
     )
