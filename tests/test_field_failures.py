@@ -1,0 +1,360 @@
+"""Field failures (shared/FIELD_FAILURES.md) reproduced with the real pure steps, and caught.
+
+Each broken variant is a small wrapper around a real pure step that alters its
+effects or its inputs the way the field bug did, swapped into the scripted rank
+program for the ranks that had the bug. The simulator (or `purepp check` over the
+recorded logs) must stop at the op that diverged and say precisely where; the
+correct program must run the same schedule cleanly.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import pytest
+
+from purepp import dp
+from purepp.batch import BatchFacts, need_sampled_mask
+from purepp.cudagraph import BatchExecutionDescriptor, CudaGraphDispatcher, CUDAGraphMode
+from purepp.effects.checker import check_log_dir
+from purepp.effects.log import dump_logs
+from purepp.effects.matching import (
+    CollectiveKind,
+    CollectiveReportError,
+    MismatchField,
+    MismatchReport,
+    Report,
+    RingOverrunReport,
+)
+from purepp.effects.numpy_interpreter import POISON
+from purepp.effects.vocabulary import (
+    Alias,
+    Broadcast,
+    Communicator,
+    DType,
+    Effect,
+    EventRef,
+    Op,
+    PadColumns,
+    RecordStream,
+    Stream,
+    TensorSpec,
+)
+from purepp.relay import DRAFT_TOKENS, RelayConfig, RelayState, broadcast_sampled
+from purepp.runner.scripted import (
+    PureSteps,
+    Schedule,
+    ScheduleConfig,
+    ScriptedRun,
+    broadcast_drafts_recorded,
+    make_schedule,
+    record_scripted_logs,
+    simulate_schedule,
+)
+from purepp.step import Step
+
+STEPS = 12
+
+
+def schedule_of(pp: int, dp_size: int, spec: int, seed: int = 0) -> Schedule:
+    return make_schedule(ScheduleConfig(pp=pp, dp=dp_size, spec=spec, steps=STEPS, seed=seed))
+
+
+def only_on(broken_ranks: set[int], broken: PureSteps) -> Callable[[int], PureSteps]:
+    return lambda rank: broken if rank in broken_ranks else PureSteps()
+
+
+def report_of(schedule: Schedule, **options: object) -> Report:
+    with pytest.raises(CollectiveReportError) as caught:
+        simulate_schedule(schedule, **options)  # type: ignore[arg-type]
+    return caught.value.report
+
+
+def first_sampling_step(schedule: Schedule, replica: int = 0) -> int:
+    return next(s for s in range(STEPS) if schedule.at(s, replica).samples)
+
+
+# ---- FF1: [n, 1] sent on a plain-sampler step, [n, spec + 1] posted ------------------------
+
+
+def unpadded_broadcast_sampled(
+    config: RelayConfig, state: RelayState, batch: BatchFacts, sampled: TensorSpec
+) -> Step[RelayState, bool]:
+    """The field bug: the sender broadcasts the sampler's own [n, k], not the padded wire."""
+    sent = broadcast_sampled(config, state, batch, sampled)
+
+    def unpad(effect: Effect) -> Effect:
+        match effect:
+            case PadColumns():
+                return Alias(step=effect.step, op=effect.op, source=effect.source, out=effect.out)
+            case Broadcast() if effect.dtype is DType.INT64:
+                return attrs.evolve(effect, shape=sampled.shape)
+            case _:
+                return effect
+
+    return attrs.evolve(sent, effects=tuple(unpad(e) for e in sent.effects))
+
+
+FF1_STEPS = only_on({2}, PureSteps(broadcast_sampled=unpadded_broadcast_sampled))
+
+
+def test_ff1_an_unpadded_plain_sampler_broadcast_is_a_shape_mismatch_at_that_op() -> None:
+    schedule = schedule_of(pp=3, dp_size=1, spec=2)
+    step = first_sampling_step(schedule)
+    sent = schedule.at(step, 0)
+    rows = sent.batch.num_reqs
+    assert sent.sampled_tokens.shape == (rows, 1)  # prefill only: the plain sampler
+
+    report = report_of(schedule, steps_for=FF1_STEPS)
+
+    assert isinstance(report, MismatchReport)
+    assert (report.rank, report.peer) == (0, 2)
+    assert (report.comm, report.group) == (Communicator.PP_RELAY, (0, 1, 2))
+    assert (report.seq, report.step, report.op) == (0, step, Op.RECEIVE)
+    assert report.expected.shape == (rows, 3)
+    assert report.received is not None
+    assert (report.received.shape, report.received.op) == ((rows, 1), Op.BROADCAST)
+    assert report.differing == (MismatchField.SHAPE,)
+    assert "op #0 on pp_relay (ranks 0, 1, 2)" in report.render()
+
+
+# ---- FF10: an idle DP rank returns early and skips the agreement ----------------------------
+
+
+def skip_when_idle(
+    dispatcher: CudaGraphDispatcher | None,
+    *,
+    step: int,
+    num_reqs: int,
+    num_tokens: int,
+    uniform_token_count: int | None,
+    dp_size: int,
+    dp_rank: int,
+) -> dp.AgreementStarted | dp.AgreementDecided:
+    """The field bug: a rank with no tokens decides eager alone and never all-reduces."""
+    if num_tokens == 0:
+        idle = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=0, num_reqs=0)
+        return Step(state=None, effects=(), result=dp.DispatchOutcome(descriptor=idle, sync=None))
+    return dp.start_agreement(
+        dispatcher,
+        step=step,
+        num_reqs=num_reqs,
+        num_tokens=num_tokens,
+        uniform_token_count=uniform_token_count,
+        dp_size=dp_size,
+        dp_rank=dp_rank,
+    )
+
+
+FF10_STEPS = only_on({0}, PureSteps(start_agreement=skip_when_idle))
+
+
+def test_ff10_an_idle_rank_that_skips_the_agreement_is_caught_at_that_step() -> None:
+    # pp=2, dp=2: the DP groups are the stages across replicas, (0, 2) and (1, 3).
+    schedule = schedule_of(pp=2, dp_size=2, spec=0)
+    # Step 1: replica 0 is idle while replica 1 works.
+    assert schedule.at(1, 0).num_tokens == 0
+    assert schedule.at(1, 1).num_tokens > 0
+
+    report = report_of(schedule, steps_for=FF10_STEPS)
+
+    assert isinstance(report, MismatchReport)
+    assert (report.comm, report.group, report.seq) == (Communicator.DP_CPU, (0, 2), 1)
+    assert (report.rank, report.step, report.op) == (2, 1, Op.AGREE)
+    assert report.peer == 0
+    assert report.received is not None
+    # Rank 0's op #1 is already the next step's agreement.
+    assert (report.received.kind, report.received.step) == (CollectiveKind.ALL_REDUCE, 2)
+    assert report.differing == (MismatchField.STEP,)
+
+
+# ---- FF3/FF4: the draft broadcast gated differently on sender and receivers ------------------
+
+
+def drafts_gated_on_decodes(
+    config: RelayConfig, state: RelayState, batch: BatchFacts, drafts: TensorSpec
+) -> Step[RelayState, bool]:
+    """The field bug: the sender sends drafts only when some row decodes (a data-dependent
+    gate); the receivers post them whenever a row samples."""
+    decoding = bool((batch.num_computed_tokens >= batch.prefill_len).any())
+    if not decoding:
+        return Step(state, (), False)
+    return broadcast_drafts_recorded(config, state, batch, drafts)
+
+
+FF3_STEPS = only_on({1}, PureSteps(broadcast_drafts=drafts_gated_on_decodes))
+
+
+def test_ff3_ff4_a_draft_broadcast_gated_differently_is_caught_at_that_op() -> None:
+    schedule = schedule_of(pp=2, dp_size=1, spec=1)
+    step = first_sampling_step(schedule)
+    rows = schedule.at(step, 0).batch.num_reqs
+    next_step = next(s for s in range(step + 1, STEPS) if schedule.at(s, 0).samples)
+
+    report = report_of(schedule, steps_for=FF3_STEPS)
+
+    assert isinstance(report, MismatchReport)
+    assert (report.comm, report.group) == (Communicator.PP_RELAY, (0, 1))
+    # Ops #0 and #1 (tokens, counts) match; #2 is the receivers' draft broadcast ...
+    assert (report.rank, report.peer, report.seq) == (0, 1, 2)
+    assert (report.step, report.op, report.expected.shape) == (step, Op.RECEIVE, (rows, 1))
+    # ... which meets the sender's next step's sampled tokens.
+    assert report.received is not None
+    assert (report.received.step, report.received.op) == (next_step, Op.BROADCAST)
+    assert MismatchField.STEP in report.differing
+
+
+# ---- FF3: pp_size + 1 steps in flight with a ring of pp_size -------------------------------
+
+
+def test_ff3_more_steps_in_flight_than_the_ring_is_deep_is_a_ring_overrun() -> None:
+    schedule = schedule_of(pp=2, dp_size=1, spec=1)
+
+    report = report_of(schedule, max_steps_in_flight=3)
+
+    assert isinstance(report, RingOverrunReport)
+    assert (report.rank, report.step, report.op) == (0, 8, Op.CONSUME)
+    assert report.event == EventRef("relay.step6.received")
+    assert (report.ring_depth, report.max_steps_in_flight) == (2, 3)
+    assert report.awaited.signature.step == 6
+    assert report.awaited.missing == (1,)
+    assert report.peers_at == ((1, 6),)
+    assert report.render().startswith("Ring overrun: rank 0 at step 8 (consume)")
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_no_more_steps_in_flight_than_the_ring_is_deep_is_fine(in_flight: int) -> None:
+    simulate_schedule(schedule_of(pp=2, dp_size=1, spec=1), max_steps_in_flight=in_flight)
+
+
+# ---- FF8: a free path that forgets to bump the generation ----------------------------------
+
+
+def free_without_bump(
+    config: RelayConfig, state: RelayState, slots: object
+) -> Step[RelayState, None]:
+    """The field bug: the slot is released to the scheduler, the relay never hears of it."""
+    return Step(state, (), None)
+
+
+def test_ff8_a_free_without_a_generation_bump_lets_stale_tokens_reach_reused_slots() -> None:
+    schedule = schedule_of(pp=3, dp_size=1, spec=2, seed=3)
+    correct = simulate_schedule(schedule)
+    broken = simulate_schedule(schedule, steps_for=lambda rank: PureSteps(free=free_without_bump))
+
+    # The wire schedule does not change (the bug is silent to every collective) ...
+    assert broken.simulation.effects[2] == correct.simulation.effects[2]
+    # ... but stage 0 applies tokens of requests whose slots were freed and reused.
+    good, bad = correct.outputs[0].consumed, broken.outputs[0].consumed
+    assert bad != good
+    stale = stale_rows(schedule, broken)
+    assert stale, "no stale row reached a reused slot"
+    for step, slot in stale:
+        kept = next(c for c in bad if c.step == step)
+        dropped = next((c for c in good if c.step == step), None)
+        assert slot in kept.idx_mapping
+        assert dropped is None or slot not in dropped.idx_mapping
+        # The stale drafts overwrite the new request's row of the draft table.
+        assert kept.drafts_table is not None
+
+
+def stale_rows(schedule: Schedule, run: ScriptedRun) -> list[tuple[int, int]]:
+    """(consume step, slot) of every row applied although its slot was freed in flight."""
+    stale = []
+    for consumed in run.outputs[0].consumed:
+        between = range(consumed.received_at_step + 1, consumed.step)
+        freed = {slot for s in between for slot in schedule.at(s, 0).freed}
+        stale += [(consumed.step, slot) for slot in consumed.idx_mapping if slot in freed]
+    return stale
+
+
+# ---- FF5: the caller's draft table freed under the relay stream's gather ---------------------
+
+
+def drafts_without_record_stream(
+    config: RelayConfig, state: RelayState, batch: BatchFacts, drafts: TensorSpec
+) -> Step[RelayState, bool]:
+    """The bug: nothing records the per-step draft table on the relay stream."""
+    sent = broadcast_drafts_recorded(config, state, batch, drafts)
+    kept = tuple(
+        e for e in sent.effects if not (isinstance(e, RecordStream) and e.buffer == DRAFT_TOKENS)
+    )
+    return attrs.evolve(sent, effects=kept)
+
+
+def test_ff5_a_draft_table_freed_before_the_relay_gathered_it_sends_garbage() -> None:
+    schedule = schedule_of(pp=2, dp_size=1, spec=1)
+    broken = simulate_schedule(
+        schedule, steps_for=lambda rank: PureSteps(broadcast_drafts=drafts_without_record_stream)
+    )
+    violations = broken.simulation.interpreter(1).lifetime_violations
+    assert violations
+    assert {(v.buffer, v.used_on) for v in violations} == {(DRAFT_TOKENS, (Stream.RELAY,))}
+    tables = [c.drafts_table for c in broken.outputs[0].consumed]
+    assert any(POISON in row for table in tables if table is not None for row in table)
+
+    correct = simulate_schedule(schedule)
+    assert correct.simulation.interpreter(1).lifetime_violations == ()
+
+
+# ---- FF13: `purepp check` over logs recorded from a broken run -----------------------------
+
+
+@pytest.mark.parametrize(
+    ("world", "steps_for"),
+    [((3, 1, 2), FF1_STEPS), ((2, 2, 0), FF10_STEPS), ((2, 1, 1), FF3_STEPS)],
+    ids=["ff1", "ff10", "ff3"],
+)
+def test_ff13_purepp_check_points_at_the_op_the_simulator_stopped_at(
+    tmp_path: Path, world: tuple[int, int, int], steps_for: Callable[[int], PureSteps]
+) -> None:
+    pp, dp_size, spec = world
+    schedule = schedule_of(pp=pp, dp_size=dp_size, spec=spec)
+    simulated = report_of(schedule, steps_for=steps_for)
+    assert isinstance(simulated, MismatchReport)
+    dump_logs(record_scripted_logs(schedule, steps_for=steps_for), tmp_path)
+
+    out = io.StringIO()
+    assert check_log_dir(tmp_path, out) == 1
+
+    assert out.getvalue().strip() == simulated.render()
+    where = f"op #{simulated.seq} on {simulated.comm.value}"
+    assert where in out.getvalue()
+    assert f"step {simulated.step}, {simulated.op.value}" in out.getvalue()
+
+
+@pytest.mark.parametrize(
+    "world",
+    [(3, 1, 2, 0), (2, 2, 0, 0), (2, 1, 1, 0), (3, 1, 2, 3)],
+    ids=["ff1", "ff10", "ff3-ff5", "ff8"],
+)
+def test_the_correct_program_passes_every_field_failure_schedule(
+    tmp_path: Path, world: tuple[int, int, int, int]
+) -> None:
+    pp, dp_size, spec, seed = world
+    schedule = schedule_of(pp=pp, dp_size=dp_size, spec=spec, seed=seed)
+    run = simulate_schedule(schedule)
+    assert all(i.lifetime_violations == () for i in run.simulation.interpreters)
+    assert all(
+        POISON not in row
+        for outputs in run.outputs
+        for consumed in outputs.consumed
+        for row in (*consumed.sampled_tokens, *(consumed.drafts_table or ()))
+    )
+    dump_logs(record_scripted_logs(schedule), tmp_path)
+    assert check_log_dir(tmp_path, io.StringIO()) == 0
+
+
+def test_need_sampled_mask_is_shared_so_sender_and_receivers_agree() -> None:
+    # FF4's fix: both sides gate on the mask of the same replicated batch.
+    schedule = schedule_of(pp=2, dp_size=1, spec=1)
+    run = simulate_schedule(schedule)
+    sends = [e.step for e in run.simulation.effects[1] if isinstance(e, Broadcast)]
+    posts = [e.step for e in run.simulation.effects[0] if isinstance(e, Broadcast)]
+    assert sends == posts
+    assert sorted(set(sends)) == [
+        s for s in range(STEPS) if need_sampled_mask(schedule.at(s, 0).batch) is not None
+    ]
