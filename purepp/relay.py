@@ -256,7 +256,15 @@ def free_request_slots(
     config: RelayConfig, state: RelayState, slots: Sequence[int] | npt.NDArray[np.integer]
 ) -> Step[RelayState, None]:
     """Bump the generation of every slot in `slots` (once per occurrence)."""
-    indices = np.asarray(slots, dtype=np.int64).reshape(-1)
+    given = np.asarray(slots)
+    # A float would be truncated and a bool mask read as slots 0/1: both free the wrong slot.
+    if given.size and not np.issubdtype(given.dtype, np.integer):
+        raise InvalidInputError(
+            "free_request_slots",
+            f"slots {given.tolist()} are {given.dtype}",
+            "pass integer slot indices",
+        )
+    indices = given.astype(np.int64).reshape(-1)
     bad = indices[(indices < 0) | (indices >= config.max_num_reqs)]
     if bad.size:
         raise InvalidInputError(
