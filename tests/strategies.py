@@ -30,6 +30,7 @@ from purepp.effects.vocabulary import (
     WorkRef,
 )
 from purepp.relay import RelayConfig
+from purepp.runner.scripted import ScheduleConfig
 
 # ---------------------------------------------------------------------------
 # relay: batch facts, relay configurations, step plans (tests/test_relay*.py)
@@ -446,3 +447,23 @@ def scatter_cases(draw: st.DrawFn) -> tuple[Int64Rows, Int64Rows, Int32Index]:
     target = np.full((slots, cols), -5, dtype=np.int64)
     source = 100 + np.arange(index.size * cols, dtype=np.int64).reshape(index.size, cols)
     return target, source, index
+
+
+# ---------------------------------------------------------------------------
+# scripted schedules (tests/test_scripted.py)
+# ---------------------------------------------------------------------------
+
+
+@st.composite
+def schedule_configs(
+    draw: st.DrawFn, *, max_pp: int = 4, max_dp: int = 3, max_spec: int = 2, steps: int = 14
+) -> ScheduleConfig:
+    """A scripted PP x DP schedule's configuration: any world up to the bounds, any seed."""
+    return ScheduleConfig(
+        pp=draw(st.integers(1, max_pp)),
+        dp=draw(st.integers(1, max_dp)),
+        spec=draw(st.integers(0, max_spec)),
+        steps=steps,
+        seed=draw(st.integers(0, 2**32 - 1)),
+        max_num_reqs=draw(st.integers(1, 6)),
+    )

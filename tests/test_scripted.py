@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from purepp.batch import need_sampled_mask
 from purepp.cudagraph import CUDAGraphMode
@@ -32,6 +31,7 @@ from purepp.runner.scripted import (
     scripted_rank_effects,
     simulate_schedule,
 )
+from tests.strategies import schedule_configs
 
 STEPS = 14
 
@@ -108,17 +108,10 @@ def check_run(schedule: Schedule, run: ScriptedRun) -> None:
             assert len(stages) == 1, f"step {step}: stages of replica {replica} disagree"
 
 
-@settings(max_examples=30, deadline=None)
-@given(
-    pp=st.integers(1, 4),
-    dp=st.integers(1, 3),
-    spec=st.integers(0, 2),
-    seed=st.integers(0, 2**32 - 1),
-)
-def test_every_world_matches_and_consumes_what_was_sent(
-    pp: int, dp: int, spec: int, seed: int
-) -> None:
-    schedule = make_schedule(ScheduleConfig(pp=pp, dp=dp, spec=spec, steps=STEPS, seed=seed))
+@settings(max_examples=40, deadline=None)
+@given(config=schedule_configs())
+def test_every_world_matches_and_consumes_what_was_sent(config: ScheduleConfig) -> None:
+    schedule = make_schedule(config)
     check_run(schedule, simulate_schedule(schedule))
 
 
