@@ -52,7 +52,7 @@ import numpy.typing as npt
 from purepp import dp
 from purepp.batch import BatchFacts, need_sampled_mask
 from purepp.cudagraph import BatchExecutionDescriptor, CaptureMode, CudaGraphDispatcher
-from purepp.effects.arrays import IntArray, array_field, readonly
+from purepp.effects.arrays import IntArray, array_field, arrays_equal, readonly
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.log import EffectLog, Layout, LogHeader, Recorder
 from purepp.effects.numpy_interpreter import NumpyInterpreter
@@ -126,6 +126,15 @@ DRAFTS_TARGET = BufferRef("input.drafts_to_update")
 CAPTURE_SIZES = (1, 2, 4, 8)
 
 Int64Array: TypeAlias = npt.NDArray[np.int64]
+
+
+def _int64_array(values: npt.ArrayLike) -> Int64Array:
+    """Field converter: a read-only int64 copy (token ids are int64 on the wire)."""
+    out: Int64Array = readonly(values, np.int64)
+    return out
+
+
+_INT64_EQ = attrs.cmp_using(eq=arrays_equal, class_name="Int64Array")
 
 # -- deterministic draws ----------------------------------------------------------------
 
@@ -208,10 +217,12 @@ class ReplicaStep:
     freed: tuple[int, ...]  # slots freed after this step's consume, before its batch
     request_ids: tuple[int, ...]  # per batch row, the request that holds the row's slot
     batch: BatchFacts  # the batch, replicated on every stage
-    sampled_tokens: Int64Array = array_field(np.int64)  # last stage: [n, width] int64
+    # last stage: [n, width] int64
+    sampled_tokens: Int64Array = attrs.field(converter=_int64_array, eq=_INT64_EQ, hash=False)
     num_sampled: IntArray = array_field(np.int32)  # last stage: [n] tokens kept per row
     num_rejected: IntArray = array_field(np.int32)  # last stage: [n] drafts rejected per row
-    drafts: Int64Array = array_field(np.int64)  # last stage: [n, spec] next drafts per row
+    # last stage: [n, spec] next drafts per row
+    drafts: Int64Array = attrs.field(converter=_int64_array, eq=_INT64_EQ, hash=False)
     num_tokens: int  # scheduled tokens (0: an idle replica)
     uniform_token_count: int | None  # tokens per row when every row decodes, else None
 
