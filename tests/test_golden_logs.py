@@ -38,7 +38,11 @@ def test_recording_the_scripted_run_again_gives_the_golden_logs(name: str) -> No
     actual = record_scripted_logs(make_schedule(GOLDEN_CASES[name]))
     assert len(actual) == len(expected), REGENERATE
     for want, got in zip(expected, actual, strict=True):
-        assert_logs_equal(want, got)
+        try:
+            assert_logs_equal(want, got)
+        except AssertionError as difference:
+            message = f"{name}, rank {want.header.rank}: {difference}\n{REGENERATE}"
+            raise AssertionError(message) from None
 
 
 @pytest.mark.parametrize("name", CASES)
