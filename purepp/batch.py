@@ -6,7 +6,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from purepp.effects.arrays import BoolArray, IntArray, array_field, readonly
+from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray, int32_array, readonly
 from purepp.errors import InvalidInputError
 
 __all__ = ["BatchFacts", "need_sampled_mask"]
@@ -43,10 +43,14 @@ class BatchFacts:
     All arrays are read-only int32 copies, one entry per batch row.
     """
 
-    idx_mapping: IntArray = array_field(np.int32)  # batch row -> request slot
-    num_computed_tokens: IntArray = array_field(np.int32)  # tokens already computed
-    num_scheduled_tokens: IntArray = array_field(np.int32)  # tokens scheduled this step
-    prefill_len: IntArray = array_field(np.int32)  # prompt length (the prefill to finish)
+    # batch row -> request slot
+    idx_mapping: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
+    # tokens already computed
+    num_computed_tokens: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
+    # tokens scheduled this step
+    num_scheduled_tokens: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
+    # prompt length (the prefill to finish)
+    prefill_len: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
 
     def __attrs_post_init__(self) -> None:
         _check_lengths(self)

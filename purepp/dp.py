@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from purepp.cudagraph import BatchExecutionDescriptor, CudaGraphDispatcher, CUDAGraphMode
-from purepp.effects.arrays import IntArray, array_field, readonly
+from purepp.effects.arrays import ARRAY_EQ, IntArray, int32_array, readonly
 from purepp.effects.vocabulary import (
     AllReduce,
     BufferRef,
@@ -100,7 +100,7 @@ class DPSyncState:
     collective, so never add a per-rank value here.
     """
 
-    num_tokens_across_dp: IntArray = array_field(np.int32)
+    num_tokens_across_dp: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
     # ^ per-rank token counts for the forward context: all the agreed padded count,
     #   unless `eager`, where each rank kept its own
     uniform_token_count: int | None  # agreed uniform decode length; None: ranks disagreed
@@ -129,7 +129,8 @@ class PendingAgreement:
     dp_rank: int  # this rank's column
     table: BufferRef  # where the interpreter binds the reduced table
     work: WorkRef | None  # async handle of the all-reduce; None when synchronous
-    contribution: IntArray = array_field(np.int32)  # this rank's table (others' columns zero)
+    # this rank's table (others' columns zero)
+    contribution: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
     dispatcher: CudaGraphDispatcher | None  # None only when this rank forced eager
     num_reqs: int  # this rank's requests (eager and PIECEWISE do not pad them)
     num_tokens: int  # this rank's tokens (kept when the ranks agree on eager)

@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from purepp.batch import BatchFacts, need_sampled_mask
-from purepp.effects.arrays import BoolArray, IntArray, array_field, readonly
+from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray, bool_array, int32_array, readonly
 from purepp.effects.vocabulary import (
     Alias,
     Allocate,
@@ -177,9 +177,12 @@ class PendingReceive:
     counts: BufferRef  # [2, n] int32: num_sampled, num_rejected
     draft_tokens: BufferRef | None  # [n, spec] int64, or None without speculation
     idx_mapping: BufferRef  # the step's device slot mapping, kept alive until consumed
-    idx_mapping_np: IntArray = array_field(np.int32)  # the same on the host
-    need_sampled: BoolArray = array_field(np.bool_)  # rows that produced a token
-    generations: IntArray = array_field(np.int32)  # slot generations when received
+    # the same on the host
+    idx_mapping_np: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
+    # rows that produced a token
+    need_sampled: BoolArray = attrs.field(converter=bool_array, eq=ARRAY_EQ, hash=False)
+    # slot generations when received
+    generations: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
 
     @property
     def buffers(self) -> tuple[BufferRef, ...]:
@@ -193,7 +196,8 @@ class RelayState:
 
     step: int  # current decode step; names every buffer and event deterministically
     ring: tuple[PendingReceive | None, ...]  # oldest first; None = nothing pending that step
-    generations: IntArray = array_field(np.int32)  # per-slot count of frees
+    # per-slot count of frees
+    generations: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
     to_release: tuple[BufferRef, ...] = ()  # buffers this step no longer needs after it ends
 
 
@@ -205,7 +209,8 @@ class ConsumedOutputs:
     sampled_tokens: BufferRef  # [n, spec + 1] int64
     counts: BufferRef  # [2, n] int32: row 0 num_sampled, row 1 num_rejected
     idx_mapping: BufferRef  # [n] int32 slot per row, -1 for rows to skip
-    idx_mapping_np: IntArray = array_field(np.int32)  # the same on the host
+    # the same on the host
+    idx_mapping_np: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
 
 
 class _Tag(TypedDict):

@@ -8,10 +8,11 @@ state = init_relay(config)
 batch = BatchFacts(
     idx_mapping=[0, 1], num_computed_tokens=[4, 9], num_scheduled_tokens=[1, 1], prefill_len=[4, 4]
 )
-step = consume_previous_step(config, state)  # the entry from pp_size steps ago, or None
-state = step.state
-step = receive(config, state, batch)  # post this step's receives into the ring
-state = step.state
-for effect in step.effects:  # hand these to an interpreter
+consumed = consume_previous_step(config, state)  # the entry from pp_size steps ago, or None
+assert consumed.result is None  # nothing was received pp_size steps ago
+posted = receive(config, consumed.state, batch)  # post this step's receives into the ring
+assert posted.result  # every row of the batch needs its sampled token
+for effect in posted.effects:  # hand these to an interpreter
     print(effect)
+state = posted.state
 state = end_step(config, state).state

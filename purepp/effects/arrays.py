@@ -13,7 +13,16 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["BoolArray", "IntArray", "array_field", "arrays_equal", "readonly"]
+__all__ = [
+    "ARRAY_EQ",
+    "BoolArray",
+    "IntArray",
+    "array_field",
+    "arrays_equal",
+    "bool_array",
+    "int32_array",
+    "readonly",
+]
 
 IntArray = npt.NDArray[np.int32]
 BoolArray = npt.NDArray[np.bool_]
@@ -45,13 +54,27 @@ def _hash_array(a: npt.NDArray[Any]) -> int:
     return hash((a.dtype.str, a.shape, a.tobytes()))
 
 
-_array_cmp = attrs.cmp_using(eq=arrays_equal, class_name="ReadOnlyArray")
+# Compares read-only array fields by dtype, shape and content.
+ARRAY_EQ = attrs.cmp_using(eq=arrays_equal, class_name="ReadOnlyArray")
+
+
+def int32_array(values: npt.ArrayLike) -> IntArray:
+    """Field converter: a read-only int32 copy (lists, tuples and arrays alike).
+
+    Use as `attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)`: written out
+    in the class body, so mypy's attrs plugin types `__init__` from the converter.
+    """
+    out: IntArray = readonly(values, np.int32)
+    return out
+
+
+def bool_array(values: npt.ArrayLike) -> BoolArray:
+    """Field converter: a read-only bool copy (see `int32_array`)."""
+    out: BoolArray = readonly(values, np.bool_)
+    return out
 
 
 def array_field(dtype: type[np.generic]) -> Any:
     """An attrs field holding a read-only copy of its value, compared by content."""
-
-    def convert(values: npt.ArrayLike) -> npt.NDArray[Any]:
-        return readonly(values, dtype)
-
-    return attrs.field(converter=convert, eq=_array_cmp, hash=False)
+    converter = bool_array if dtype is np.bool_ else int32_array
+    return attrs.field(converter=converter, eq=ARRAY_EQ, hash=False)

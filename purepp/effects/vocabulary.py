@@ -13,9 +13,8 @@ import enum
 from typing import TypeAlias
 
 import attrs
-import numpy as np
 
-from purepp.effects.arrays import IntArray, array_field
+from purepp.effects.arrays import ARRAY_EQ, IntArray, int32_array
 
 __all__ = [
     "COLLECTIVES",
@@ -157,7 +156,8 @@ class CopyHostToDevice:
 
     step: int  # decode step the effect belongs to
     op: Op  # operation that emitted it
-    source: IntArray = array_field(np.int32)  # the host values (read-only int32)
+    # the host values (read-only int32)
+    source: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
     buffer: BufferRef  # name the new device tensor is bound to
     stream: Stream  # stream the copy is queued on
 
@@ -186,7 +186,8 @@ class AllReduce:
 
     step: int  # decode step the effect belongs to
     op: Op  # operation that emitted it
-    contribution: IntArray = array_field(np.int32)  # this rank's table (others' columns zero)
+    # this rank's table (others' columns zero)
+    contribution: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
     result: BufferRef  # name the reduced host table is bound to
     comm: Communicator  # process group it runs over
     work: WorkRef | None  # async handle name, or None for a synchronous all-reduce
