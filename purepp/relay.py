@@ -40,6 +40,7 @@ from purepp.effects.vocabulary import (
     DType,
     Effect,
     EventRef,
+    ForgetEvent,
     GatherRows,
     Op,
     PadColumns,
@@ -395,8 +396,10 @@ def consume_previous_step(
     freed = state.generations[oldest.idx_mapping_np] != oldest.generations
     exclude = freed | ~oldest.need_sampled
     if exclude.all():
-        # No request wants these tokens any more; nothing waits on the receive.
-        return Step(attrs.evolve(popped, to_release=released), (), None)
+        # No request wants these tokens any more; nothing waits on the receive, so its
+        # event is dropped unwaited (the seed lets the entry be garbage-collected).
+        forget = ForgetEvent(**relay, event=oldest.event)
+        return Step(attrs.evolve(popped, to_release=released), (forget,), None)
 
     effects: list[Effect] = []
     idx_mapping = oldest.idx_mapping
@@ -532,8 +535,11 @@ def broadcast_drafts(
         GatherRows(
             **relay, source=DRAFT_TOKENS, index=IDX_MAPPING, out=send_drafts, stream=Stream.RELAY
         ),
-        # The slot mapping was made on main and is read on the relay stream.
+        # Both were made on main and are read on the relay stream. The seed records only
+        # the mapping (its draft table lives forever); a caller may bind a fresh table
+        # each step, so the table is recorded too, or it could be freed mid-gather.
         RecordStream(**relay, buffer=IDX_MAPPING, stream=Stream.RELAY),
+        RecordStream(**relay, buffer=DRAFT_TOKENS, stream=Stream.RELAY),
         Broadcast(**relay, **_wire(config), buffer=send_drafts, shape=shape, dtype=DType.INT64),
     )
     new_state = attrs.evolve(state, to_release=(*state.to_release, send_drafts))

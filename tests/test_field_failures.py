@@ -43,13 +43,12 @@ from purepp.effects.vocabulary import (
     Stream,
     TensorSpec,
 )
-from purepp.relay import DRAFT_TOKENS, RelayConfig, RelayState, broadcast_sampled
+from purepp.relay import DRAFT_TOKENS, RelayConfig, RelayState, broadcast_drafts, broadcast_sampled
 from purepp.runner.scripted import (
     PureSteps,
     Schedule,
     ScheduleConfig,
     ScriptedRun,
-    broadcast_drafts_recorded,
     make_schedule,
     record_scripted_logs,
     simulate_schedule,
@@ -182,7 +181,7 @@ def drafts_gated_on_decodes(
     decoding = bool((batch.num_computed_tokens >= batch.prefill_len).any())
     if not decoding:
         return Step(state, (), False)
-    return broadcast_drafts_recorded(config, state, batch, drafts)
+    return broadcast_drafts(config, state, batch, drafts)
 
 
 FF3_STEPS = only_on({1}, PureSteps(broadcast_drafts=drafts_gated_on_decodes))
@@ -278,7 +277,7 @@ def drafts_without_record_stream(
     config: RelayConfig, state: RelayState, batch: BatchFacts, drafts: TensorSpec
 ) -> Step[RelayState, bool]:
     """The bug: nothing records the per-step draft table on the relay stream."""
-    sent = broadcast_drafts_recorded(config, state, batch, drafts)
+    sent = broadcast_drafts(config, state, batch, drafts)
     kept = tuple(
         e for e in sent.effects if not (isinstance(e, RecordStream) and e.buffer == DRAFT_TOKENS)
     )

@@ -21,6 +21,7 @@ from purepp.effects.vocabulary import (
     CopyHostToDevice,
     DType,
     Effect,
+    ForgetEvent,
     GatherRows,
     Op,
     PadColumns,
@@ -434,6 +435,8 @@ def test_broadcast_drafts_gathers_by_slot_and_sends_once() -> None:
         WaitStream(**tag, stream=Stream.RELAY, waits_for=Stream.MAIN),
         GatherRows(**tag, source=DRAFT_TOKENS, index=IDX_MAPPING, out=send, stream=Stream.RELAY),
         RecordStream(**tag, buffer=IDX_MAPPING, stream=Stream.RELAY),
+        # Beyond the seed: a caller may bind a fresh draft table each step (FF5).
+        RecordStream(**tag, buffer=DRAFT_TOKENS, stream=Stream.RELAY),
         Broadcast(
             **tag,
             buffer=send,
@@ -602,7 +605,9 @@ def test_consume_with_every_row_excluded_returns_none_and_queues_release(
     config = cfg(pp_size=2, spec=1)
     state, entry = received_state(config, batch([3, 1], rows), frees=frees)
     got = consume_previous_step(config, state, DRAFTS_TARGET)
-    assert (got.effects, got.result) == ((), None)
+    # No copy, no wait: the seed drops the entry; its unwaited event is forgotten.
+    forget = ForgetEvent(step=state.step, op=Op.CONSUME, event=entry.event)
+    assert (got.effects, got.result) == ((forget,), None)
     assert got.state.to_release == entry.buffers
     assert got.state.ring == (None, None)
 

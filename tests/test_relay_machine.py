@@ -32,6 +32,7 @@ from purepp.effects.vocabulary import (
     DType,
     Effect,
     EventRef,
+    ForgetEvent,
     GatherRows,
     PadColumns,
     RecordEvent,
@@ -124,7 +125,7 @@ class RelayRingMachine(RuleBasedStateMachine):
                 case RecordEvent(event=event):
                     assert event not in self.recorded
                     self.recorded.add(event)
-                case WaitEvent(event=event):
+                case WaitEvent(event=event) | ForgetEvent(event=event):
                     assert event in self.recorded
                 case Broadcast(buffer=used) | RecordStream(buffer=used) if used.name.startswith(
                     "relay."
@@ -149,7 +150,10 @@ class RelayRingMachine(RuleBasedStateMachine):
         event(f"consume: {'nothing' if expected is None else f'filtered={expected.filtered}'}")
         if expected is None:
             assert taken.result is None
-            assert taken.effects == ()
+            # An entry dropped whole only forgets its event: no copy, no wait.
+            forgotten = () if entry is None else (entry.event,)
+            assert tuple(e.event for e in taken.effects if isinstance(e, ForgetEvent)) == forgotten
+            assert len(taken.effects) == len(forgotten)
             return
         out = taken.result
         assert isinstance(out, ConsumedOutputs)

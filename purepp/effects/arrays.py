@@ -17,7 +17,6 @@ __all__ = [
     "ARRAY_EQ",
     "BoolArray",
     "IntArray",
-    "array_field",
     "arrays_equal",
     "bool_array",
     "int32_array",
@@ -72,9 +71,3 @@ def bool_array(values: npt.ArrayLike) -> BoolArray:
     """Field converter: a read-only bool copy (see `int32_array`)."""
     out: BoolArray = readonly(values, np.bool_)
     return out
-
-
-def array_field(dtype: type[np.generic]) -> Any:
-    """An attrs field holding a read-only copy of its value, compared by content."""
-    converter = bool_array if dtype is np.bool_ else int32_array
-    return attrs.field(converter=converter, eq=ARRAY_EQ, hash=False)

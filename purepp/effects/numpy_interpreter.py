@@ -50,6 +50,7 @@ from purepp.effects.vocabulary import (
     DType,
     Effect,
     EventRef,
+    ForgetEvent,
     GatherRows,
     Op,
     PadColumns,
@@ -106,6 +107,8 @@ def describe_effect(effect: Effect) -> str:
             return f"record_event({effect.event.name!r} on {effect.stream.value})"
         case WaitEvent():
             return f"wait_event({effect.event.name!r} on {effect.stream.value})"
+        case ForgetEvent():
+            return f"forget_event({effect.event.name!r})"
         case Allocate():
             return f"allocate({effect.buffer.name!r})"
         case CopyHostToDevice():
@@ -442,6 +445,8 @@ class NumpyInterpreter:
                 self._record_event(effect)
             case WaitEvent():
                 self._wait_event(effect)
+            case ForgetEvent():
+                self._forget_event(effect)
             case Allocate():
                 self._allocate(effect)
             case CopyHostToDevice():
@@ -601,6 +606,14 @@ class NumpyInterpreter:
                 "record the event before waiting on it, and wait on it once",
             )
         self._queue(effect.stream, _StreamWait(effect, mark.stream, mark.target))
+
+    def _forget_event(self, effect: ForgetEvent) -> None:
+        if self._events.pop(effect.event, None) is None:
+            raise InterpreterError(
+                _call(effect),
+                f"event {effect.event.name!r} is not recorded (or was already waited on)",
+                "forget only an event that was recorded and never waited on",
+            )
 
     # ---- buffers -------------------------------------------------------------------------
 

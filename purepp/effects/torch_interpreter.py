@@ -41,6 +41,7 @@ from purepp.effects.vocabulary import (
     DType,
     Effect,
     EventRef,
+    ForgetEvent,
     GatherRows,
     PadColumns,
     RecordEvent,
@@ -387,6 +388,8 @@ class TorchInterpreter:
                 self._record_event(effect)
             case WaitEvent():
                 self._wait_event(effect)
+            case ForgetEvent():
+                self._forget_event(effect)
             case Allocate():
                 self._allocate(effect)
             case CopyHostToDevice():
@@ -515,6 +518,14 @@ class TorchInterpreter:
         if self._streams is not None and isinstance(event, torch.cuda.Event):
             self._streams[effect.stream].wait_event(event)
         del self._events[effect.event]
+
+    def _forget_event(self, effect: ForgetEvent) -> None:
+        if self._events.pop(effect.event, None) is None:
+            raise InterpreterError(
+                _describe(effect),
+                f"event {effect.event.name!r} is not recorded (or was already waited on)",
+                "forget only an event that was recorded and never waited on",
+            )
 
     def _record_stream(self, effect: RecordStream) -> None:
         tensor = self._lookup(_describe(effect), effect.buffer)

@@ -28,6 +28,7 @@ __all__ = [
     "DType",
     "Effect",
     "EventRef",
+    "ForgetEvent",
     "GatherRows",
     "Op",
     "PadColumns",
@@ -136,6 +137,15 @@ class WaitEvent:
     op: Op  # operation that emitted it
     stream: Stream  # the stream that waits
     event: EventRef  # the event it waits for
+
+
+@attrs.frozen(kw_only=True)
+class ForgetEvent:
+    """Drop `event` unwaited: nothing will wait on it (its receive was dropped unconsumed)."""
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    event: EventRef  # the event to unbind
 
 
 @attrs.frozen(kw_only=True)
@@ -283,6 +293,7 @@ Effect: TypeAlias = (
     WaitStream
     | RecordEvent
     | WaitEvent
+    | ForgetEvent
     | Allocate
     | CopyHostToDevice
     | Broadcast

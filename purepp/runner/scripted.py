@@ -52,7 +52,7 @@ import numpy.typing as npt
 from purepp import dp
 from purepp.batch import BatchFacts, need_sampled_mask
 from purepp.cudagraph import BatchExecutionDescriptor, CaptureMode, CudaGraphDispatcher
-from purepp.effects.arrays import IntArray, array_field, arrays_equal, readonly
+from purepp.effects.arrays import ARRAY_EQ, IntArray, arrays_equal, int32_array, readonly
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.log import EffectLog, Layout, LogHeader, Recorder
 from purepp.effects.numpy_interpreter import NumpyInterpreter
@@ -61,9 +61,6 @@ from purepp.effects.vocabulary import (
     BufferRef,
     DType,
     Effect,
-    Op,
-    RecordStream,
-    Stream,
     TensorSpec,
 )
 from purepp.errors import ConfigError, InvalidInputError
@@ -104,7 +101,6 @@ __all__ = [
     "ScheduleConfig",
     "ScriptedRun",
     "TorchTensors",
-    "broadcast_drafts_recorded",
     "drive",
     "make_schedule",
     "record_scripted_logs",
@@ -219,8 +215,10 @@ class ReplicaStep:
     batch: BatchFacts  # the batch, replicated on every stage
     # last stage: [n, width] int64
     sampled_tokens: Int64Array = attrs.field(converter=_int64_array, eq=_INT64_EQ, hash=False)
-    num_sampled: IntArray = array_field(np.int32)  # last stage: [n] tokens kept per row
-    num_rejected: IntArray = array_field(np.int32)  # last stage: [n] drafts rejected per row
+    # last stage: [n] tokens kept per row
+    num_sampled: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
+    # last stage: [n] drafts rejected per row
+    num_rejected: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
     # last stage: [n, spec] next drafts per row
     drafts: Int64Array = attrs.field(converter=_int64_array, eq=_INT64_EQ, hash=False)
     num_tokens: int  # scheduled tokens (0: an idle replica)
@@ -533,30 +531,6 @@ def reduced_agreement_table(schedule: Schedule, step: int) -> IntArray:
 # -- the pure steps a program runs ----------------------------------------------------------
 
 
-def broadcast_drafts_recorded(
-    config: RelayConfig, state: RelayState, batch: BatchFacts, drafts: TensorSpec
-) -> Step[RelayState, bool]:
-    """`relay.broadcast_drafts`, plus the caller's `RecordStream` of its draft table.
-
-    The relay gathers from DRAFT_TOKENS on the relay stream but records only the slot
-    mapping there. A caller that binds a fresh table each step (as the runner does)
-    drops the old one while that gather may still wait behind an unfinished broadcast:
-    the allocator may reuse its memory and garbage drafts go out (field failure 5).
-    So the caller records the table on the relay stream itself, unless the relay did.
-    """
-    sent = broadcast_drafts(config, state, batch, drafts)
-    recorded = any(
-        isinstance(effect, RecordStream) and effect.buffer == DRAFT_TOKENS
-        for effect in sent.effects
-    )
-    if not sent.effects or recorded:
-        return sent
-    record = RecordStream(
-        step=state.step, op=Op.BROADCAST_DRAFTS, buffer=DRAFT_TOKENS, stream=Stream.RELAY
-    )
-    return attrs.evolve(sent, effects=(*sent.effects, record))
-
-
 class AgreementStart(Protocol):
     """`dp.start_agreement`'s shape, as far as the scripted program calls it."""
 
@@ -592,7 +566,7 @@ class PureSteps:
     ] = broadcast_sampled  # the last stage
     broadcast_drafts: Callable[
         [RelayConfig, RelayState, BatchFacts, TensorSpec], Step[RelayState, bool]
-    ] = broadcast_drafts_recorded  # the last stage, when speculating
+    ] = broadcast_drafts  # the last stage, when speculating
     end_step: Callable[[RelayConfig, RelayState], Step[RelayState, None]] = end_step
 
 
