@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -74,7 +75,30 @@ def test_run_prints_summary_with_parity_verdict(tmp_path: Path) -> None:
     for field in ("steps", "requests", "tokens", "tokens/s", "drafts accepted", "parity"):
         assert field in result.stdout
     assert "parity           OK" in result.stdout
-    assert trace.exists()
+    events = json.loads(trace.read_text())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in slices} == {0, 1, 2, 3}  # one process track per rank
+    assert {e["name"] for e in slices} >= {"Broadcast", "AllReduce", "WaitEvent"}
+    collectives = [e for e in slices if e["name"] == "Broadcast"]
+    assert all(
+        {"comm", "comm_seq", "shape", "dtype", "src"} <= e["args"].keys() for e in collectives
+    )
+
+
+@pytest.mark.multiprocess
+def test_torchrun_runs_the_same_job(tmp_path: Path) -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    worker = ["-m", "purepp.runner.worker", "--pp", "2", "--dp", "1", "--requests", "6"]
+    result = subprocess.run(
+        [*torchrun, "--nproc-per-node", "2", *worker, "--out", str(tmp_path), "--verdict"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "parity           OK" in result.stdout
+    assert (tmp_path / "results.json").exists()
 
 
 @pytest.mark.multiprocess

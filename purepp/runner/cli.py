@@ -22,7 +22,7 @@ from purepp.runner.parity import ParityVerdict, check_parity
 from purepp.runner.settings import RunSettings
 from purepp.runner.worker import add_run_options, settings_from_args
 
-__all__ = ["RunSummary", "launch", "main"]
+__all__ = ["RunSummary", "launch", "main", "summarise_against_reference"]
 
 
 @attrs.frozen(kw_only=True)
@@ -103,6 +103,12 @@ def _check_before_start(settings: RunSettings, log_dir: str | None, trace: str |
             raise _Failure(f"{what} {path} is not writable: {error.strerror}") from error
 
 
+def _own_environment() -> dict[str, str]:
+    """This process's environment without a launcher's rendezvous settings: under
+    torchrun, TORCHELASTIC_* would make a new world join torchrun's store."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+
+
 class _World:
     """The worker processes of one run, started like torchrun starts them."""
 
@@ -116,7 +122,7 @@ class _World:
         self.stderr_paths: list[Path] = []
         for rank in range(size):
             env = dict(
-                os.environ,
+                _own_environment(),
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),
                 WORLD_SIZE=str(size),
@@ -272,30 +278,43 @@ def _worker_argv(settings: RunSettings, log_dir: str | None, trace: str | None) 
     return argv
 
 
+def _reference_world(settings: RunSettings, work: Path) -> _World:
+    """The single-stage run of the same workload, without aborts, on CPU."""
+    reference = attrs.evolve(settings, pp=1, dp=1, steps=0, backend="gloo")
+    return _World("reference", 1, [*_worker_argv(reference, None, None), "--no-aborts"], work)
+
+
+def _wait_or_stop(worlds: list[_World], timeout_s: float, show: _World) -> None:
+    try:
+        _wait(worlds, timeout_s, show=show)
+    except BaseException:
+        for each in worlds:
+            each.stop()
+        raise
+
+
 def launch(
     settings: RunSettings, *, log_dir: str | None = None, trace: str | None = None
 ) -> RunSummary:
     """Run the world and the single-stage reference side by side; summarise both."""
     _check_before_start(settings, log_dir, trace)
-    reference_settings = attrs.evolve(settings, pp=1, dp=1, steps=0, backend="gloo")
     with tempfile.TemporaryDirectory(prefix="purepp-run-") as tmp:
-        world = _World(
-            "run", settings.world_size, _worker_argv(settings, log_dir, trace), Path(tmp) / "run"
-        )
-        reference = _World(
-            "reference",
-            1,
-            [*_worker_argv(reference_settings, None, None), "--no-aborts"],
-            Path(tmp) / "ref",
-        )
-        worlds = [world, reference]
-        try:
-            _wait(worlds, settings.timeout_s, show=world)
-        except BaseException:
-            for each in worlds:
-                each.stop()
-            raise
+        argv = _worker_argv(settings, log_dir, trace)
+        world = _World("run", settings.world_size, argv, Path(tmp) / "run")
+        reference = _reference_world(settings, Path(tmp) / "ref")
+        _wait_or_stop([world, reference], settings.timeout_s, show=world)
         return _summarise(settings, world.results(), reference.results())
+
+
+def summarise_against_reference(
+    settings: RunSettings, results: list[dict[str, object]]
+) -> RunSummary:
+    """Run the single-stage reference here and summarise `results` (the gathered
+    results of a world started elsewhere, e.g. by torchrun) against it."""
+    with tempfile.TemporaryDirectory(prefix="purepp-ref-") as tmp:
+        reference = _reference_world(settings, Path(tmp) / "ref")
+        _wait_or_stop([reference], settings.timeout_s, show=reference)
+        return _summarise(settings, results, reference.results())
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -32,7 +32,7 @@ from purepp.effects.torch_interpreter import (
     init_distributed,
 )
 from purepp.errors import PeerFailureError, PureppError
-from purepp.runner.loop import RankLoop, RankResult
+from purepp.runner.loop import RankLoop
 from purepp.runner.settings import RunSettings
 from purepp.runner.trace import Tracer
 from purepp.runner.workload import make_workload
@@ -108,8 +108,9 @@ def run_rank(
     trace_path: str | None,
     progress_dir: str | None = None,
     abort_requests: bool = True,
-) -> RankResult:
-    """Run one rank to the end; rank 0 writes the gathered results to `out_dir`."""
+) -> list[dict[str, object]] | None:
+    """Run one rank to the end. Rank 0 gathers every rank's result, writes them to
+    `out_dir` (and the merged trace to `trace_path`) and returns them; others return None."""
     timeout = datetime.timedelta(seconds=settings.timeout_s)
     if settings.backend == "nccl":
         torch.cuda.set_device(local_rank)
@@ -158,15 +159,17 @@ def run_rank(
         gathered: list[object] | None = [None] * settings.world_size if rank == 0 else None
         payload = (attrs.asdict(result), [] if tracer is None else tracer.events)
         dist.gather_object(payload, gathered, dst=0, group=results_group)
-        if rank == 0 and gathered is not None:
-            _write_outputs(gathered, out_dir, trace_path)
-        return result
+        if gathered is None:
+            return None
+        return _write_outputs(gathered, out_dir, trace_path)
     finally:
         dist.destroy_process_group()
 
 
-def _write_outputs(gathered: list[object], out_dir: str | None, trace_path: str | None) -> None:
-    results = [item[0] for item in gathered]  # type: ignore[index]
+def _write_outputs(
+    gathered: list[object], out_dir: str | None, trace_path: str | None
+) -> list[dict[str, object]]:
+    results: list[dict[str, object]] = [item[0] for item in gathered]  # type: ignore[index]
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "results.json").write_text(json.dumps(results), encoding="utf-8")
@@ -175,6 +178,17 @@ def _write_outputs(gathered: list[object], out_dir: str | None, trace_path: str 
         Path(trace_path).write_text(
             json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}), encoding="utf-8"
         )
+    return results
+
+
+def _print_verdict(settings: RunSettings, results: list[dict[str, object]] | None) -> int:
+    from purepp.runner.cli import summarise_against_reference
+
+    if results is None:
+        raise RuntimeError("only rank 0 gathers the results")  # caller checks rank 0
+    summary = summarise_against_reference(settings, results)
+    print(summary.render())
+    return 0 if summary.verdict.ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -182,12 +196,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_run_options(parser)
     parser.add_argument("--out", default=None, help="rank 0 writes results.json here")
     parser.add_argument("--progress-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--verdict",
+        action="store_true",
+        help="rank 0 then runs the single-stage reference and prints the parity summary",
+    )
     parser.add_argument("--no-aborts", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
         settings = settings_from_args(args)
-        run_rank(
+        gathered = run_rank(
             settings,
             rank=rank,
             local_rank=int(os.environ.get("LOCAL_RANK", str(rank))),
@@ -198,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress_dir=args.progress_dir,
             abort_requests=not args.no_aborts,
         )
+        if args.verdict and rank == 0:
+            return _print_verdict(settings, gathered)
     except PeerFailureError as error:
         print(f"purepp: rank {rank}: {error}", file=sys.stderr)
         return 4
