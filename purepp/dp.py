@@ -90,6 +90,12 @@ def _check_sync(instance: DPSyncState) -> None:
         raise InvalidInputError(
             "DPSyncState", f"num_reqs={instance.num_reqs} is negative", "counts are >= 0"
         )
+    if instance.max_query_len is not None and instance.max_query_len < 1:
+        raise InvalidInputError(
+            "DPSyncState",
+            f"max_query_len={instance.max_query_len} is below 1",
+            "pass None when the ranks agreed on no query-length bound",
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -106,6 +112,9 @@ class DPSyncState:
     uniform_token_count: int | None  # agreed uniform decode length; None: ranks disagreed
     eager: bool  # the ranks agreed to run eager; a dispatch reusing this runs eager too
     num_reqs: int  # agreed request bound: a FULL graph's padded count, else the most scheduled
+    # Agreed query-length bound (the largest), None unless every rank set one. Beyond the
+    # seed: a reuse dispatches with it, so varlen graphs cannot differ between ranks.
+    max_query_len: int | None = None
 
     def __attrs_post_init__(self) -> None:
         _check_sync(self)
@@ -360,14 +369,16 @@ def _desired_descriptor(
         return _eager(batch.num_tokens, batch.num_reqs, batch.num_active_loras)
     if dispatcher is None:  # unreachable: _check_start rejects it
         raise ConfigError("start_agreement", "no dispatcher", "pass the dispatcher")
-    # A reused sync's uniform count was agreed across ranks, so it replaces this rank's.
+    # A reused sync's uniform count and query-length bound were agreed across ranks,
+    # so they replace this rank's: every rank then picks the same graph.
     uniform = sync.uniform_token_count if sync is not None else batch.uniform_token_count
+    query_len = sync.max_query_len if sync is not None else batch.max_query_len
     return dispatcher.dispatch(
         batch.num_reqs,
         batch.num_tokens,
         uniform,
         num_active_loras=batch.num_active_loras,
-        max_query_len=batch.max_query_len,
+        max_query_len=query_len,
     )
 
 
@@ -482,6 +493,8 @@ def _decide(pending: PendingAgreement, table: IntArray) -> DispatchOutcome:
     agreed_uniform = (
         first_uniform if first_uniform != 0 and (uniform_counts == first_uniform).all() else None
     )
+    # Varlen graphs are chosen by the query-length bound, so it must be agreed too.
+    agreed_query_len = int(query_lens.max()) if (query_lens != -1).all() else None
     if (tokens == 0).all():
         descriptor = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=0, num_reqs=0)
         return DispatchOutcome(descriptor=descriptor, sync=None)
@@ -492,6 +505,7 @@ def _decide(pending: PendingAgreement, table: IntArray) -> DispatchOutcome:
             uniform_token_count=agreed_uniform,
             eager=True,
             num_reqs=most_reqs,
+            max_query_len=agreed_query_len,
         )
         return DispatchOutcome(descriptor=descriptor, sync=sync)
     dispatcher = pending.dispatcher
@@ -499,8 +513,6 @@ def _decide(pending: PendingAgreement, table: IntArray) -> DispatchOutcome:
         raise InvalidInputError(
             "finish_agreement", "no dispatcher for an agreed graph", "pass a checked table"
         )
-    # Varlen graphs are chosen by the query-length bound, so it must be agreed too.
-    agreed_query_len = int(query_lens.max()) if (query_lens != -1).all() else None
     descriptor = dispatcher.dispatch(
         pending.num_reqs,
         int(tokens.max()),
@@ -514,6 +526,7 @@ def _decide(pending: PendingAgreement, table: IntArray) -> DispatchOutcome:
         uniform_token_count=agreed_uniform,
         eager=False,
         num_reqs=full_reqs if full_reqs is not None else most_reqs,
+        max_query_len=agreed_query_len,
     )
     return DispatchOutcome(descriptor=descriptor, sync=sync)
 

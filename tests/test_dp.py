@@ -81,13 +81,19 @@ def desc(
 
 
 def sync(
-    tokens: list[int], *, uniform: int | None = None, eager: bool = False, reqs: int = 0
+    tokens: list[int],
+    *,
+    uniform: int | None = None,
+    eager: bool = False,
+    reqs: int = 0,
+    query_len: int | None = None,
 ) -> DPSyncState:
     return DPSyncState(
         num_tokens_across_dp=np.array(tokens, dtype=np.int32),
         uniform_token_count=uniform,
         eager=eager,
         num_reqs=reqs,
+        max_query_len=query_len,
     )
 
 
@@ -170,6 +176,28 @@ def test_a_reused_sync_supplies_the_agreed_uniform_count() -> None:
     # The ranks disagreed (None): this rank's own uniform batch must not take a decode graph.
     started = start(dp_sync=sync([4, 4], uniform=None, reqs=2))
     assert started.result.descriptor == desc(PIECEWISE, 4, None)
+
+
+def test_a_reused_sync_supplies_the_agreed_query_length_bound() -> None:
+    # Beyond the seed: ranks that reuse an agreement with different local bounds would
+    # otherwise pick different varlen graphs (field failure 11).
+    first = agree_across_ranks(VARLEN, [batch(3, 4, max_query_len=2), batch(2, 3, max_query_len=1)])
+    reused = [
+        start_agreement(
+            VARLEN,
+            step=1,
+            num_reqs=reqs,
+            num_tokens=4,
+            uniform_token_count=None,
+            dp_size=2,
+            dp_rank=rank,
+            max_query_len=local_bound,
+            dp_sync=first[rank].sync,
+        ).result
+        for rank, (reqs, local_bound) in enumerate([(3, 2), (2, None)])
+    ]
+    assert all(outcome is not None for outcome in reused)
+    assert {o.descriptor for o in reused if o is not None} == {desc(FULL, 4, 4, query_len=2)}
 
 
 def test_a_single_rank_never_returns_a_sync_even_when_one_is_reused() -> None:
@@ -326,7 +354,7 @@ def test_the_query_length_bound_agrees_as_the_largest_when_every_rank_sets_one()
         VARLEN, [batch(3, 4, max_query_len=2), batch(2, 3, max_query_len=1)]
     )
     assert [o.descriptor for o in outcomes] == [desc(FULL, 4, 4, query_len=2)] * 2
-    assert outcomes[0].sync == sync([4, 4], reqs=4)
+    assert outcomes[0].sync == sync([4, 4], reqs=4, query_len=2)
 
 
 def test_a_rank_without_a_query_length_bound_keeps_everyone_off_varlen_graphs() -> None:

@@ -328,4 +328,5 @@ def test_a_sync_state_holds_only_values_equal_on_every_rank() -> None:
         "uniform_token_count",
         "eager",
         "num_reqs",
+        "max_query_len",
     ]
