@@ -16,7 +16,7 @@ import attrs
 import pytest
 import torch
 
-from purepp.effects.log import EffectLog, Layout, Recorder, assert_logs_equal
+from purepp.effects.log import EffectLog, Recorder, assert_logs_equal
 from purepp.effects.torch_interpreter import Backend, TorchInterpreter, build_communicators
 from purepp.effects.vocabulary import Effect
 from purepp.runner.scripted import (
@@ -44,17 +44,6 @@ class RankRun:
     left_bound: tuple[str, ...]  # names still bound in its interpreter at the end
 
 
-def groups_of(world: Layout) -> tuple[list[list[int]], list[list[int]]]:
-    """The PP groups (a replica's stages) and DP groups (a stage across replicas)."""
-    pp_groups = [
-        [world.rank_of(pp_stage=s, dp_index=d) for s in range(world.pp)] for d in range(world.dp)
-    ]
-    dp_groups = [
-        [world.rank_of(pp_stage=s, dp_index=d) for d in range(world.dp)] for s in range(world.pp)
-    ]
-    return pp_groups, dp_groups
-
-
 WARM_UP_STEPS = 4  # NCCL may synchronise while it sets up its communicators
 
 
@@ -76,9 +65,11 @@ class NoSyncPerform:
 
 def run_world_rank(config: ScheduleConfig, ctx: RankContext) -> RankRun:
     schedule = make_schedule(config)
-    pp_groups, dp_groups = groups_of(schedule.world)
     groups = build_communicators(
-        pp_groups=pp_groups, dp_groups=dp_groups, relay_backend=ctx.backend, timeout=ctx.timeout
+        pp_groups=schedule.world.pp_groups,
+        dp_groups=schedule.world.dp_groups,
+        relay_backend=ctx.backend,
+        timeout=ctx.timeout,
     )
     interpreter = TorchInterpreter(device=ctx.device, groups=groups, rank=ctx.rank)
     recorder = Recorder(scripted_header(schedule, ctx.rank), interpreter)

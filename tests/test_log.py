@@ -551,6 +551,17 @@ def test_global_rank_is_dp_index_times_pp_plus_stage(world: Layout, data: st.Dat
     assert rank == replica * world.pp + stage == world.rank_of(pp_stage=stage, dp_index=replica)
 
 
+@given(layouts)
+def test_pp_and_dp_groups_partition_the_world(world: Layout) -> None:
+    for groups in (world.pp_groups, world.dp_groups):
+        members = sorted(rank for group in groups for rank in group)
+        assert members == list(range(world.world_size))
+    assert all(len({world.dp_index(r) for r in group}) == 1 for group in world.pp_groups)
+    assert all(len({world.pp_stage(r) for r in group}) == 1 for group in world.dp_groups)
+    assert Layout(pp=2, dp=3).pp_groups == ((0, 1), (2, 3), (4, 5))
+    assert Layout(pp=2, dp=3).dp_groups == ((0, 2, 4), (1, 3, 5))
+
+
 def test_layout_example_and_errors() -> None:
     world = Layout(pp=2, dp=4)
     header = LogHeader(rank=5, world=world)

@@ -115,6 +115,22 @@ class Layout:
             )
         return dp_index * self.pp + pp_stage
 
+    def pipeline(self, dp_index: int) -> tuple[int, ...]:
+        """Global ranks of replica `dp_index`'s stages, first stage first (PP groups)."""
+        return tuple(self.rank_of(pp_stage=s, dp_index=dp_index) for s in range(self.pp))
+
+    def replicas(self, pp_stage: int) -> tuple[int, ...]:
+        """Global ranks running stage `pp_stage` in every replica (DP groups)."""
+        return tuple(self.rank_of(pp_stage=pp_stage, dp_index=d) for d in range(self.dp))
+
+    @property
+    def pp_groups(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.pipeline(d) for d in range(self.dp))
+
+    @property
+    def dp_groups(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.replicas(s) for s in range(self.pp))
+
     def _check_rank(self, call: str, rank: int) -> int:
         if not 0 <= rank < self.world_size:
             raise ConfigError(

@@ -64,9 +64,9 @@ def comm_group(world: Layout, rank: int, comm: Communicator) -> tuple[int, ...]:
     stage, replica = world.pp_stage(rank), world.dp_index(rank)
     match comm:
         case Communicator.PP_RELAY | Communicator.PP_CPU:
-            return tuple(world.rank_of(pp_stage=s, dp_index=replica) for s in range(world.pp))
+            return world.pipeline(replica)
         case Communicator.DP_CPU:
-            return tuple(world.rank_of(pp_stage=stage, dp_index=d) for d in range(world.dp))
+            return world.replicas(stage)
         case _:
             assert_never(comm)
 

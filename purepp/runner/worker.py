@@ -72,13 +72,6 @@ def settings_from_args(args: argparse.Namespace, **overrides: object) -> RunSett
     return RunSettings(**values)  # type: ignore[arg-type]
 
 
-def _groups(settings: RunSettings) -> tuple[list[list[int]], list[list[int]]]:
-    pp, dp = settings.pp, settings.dp
-    pp_groups = [[replica * pp + stage for stage in range(pp)] for replica in range(dp)]
-    dp_groups = [[replica * pp + stage for replica in range(dp)] for stage in range(pp)]
-    return pp_groups, dp_groups
-
-
 # Fault injection for tests: "RANK@STEP" kills that rank abruptly after that step.
 KILL_RANK_ENV = "PUREPP_FAULT_KILL_RANK"
 
@@ -125,10 +118,10 @@ def run_rank(
         timeout=timeout,
     )
     try:
-        pp_groups, dp_groups = _groups(settings)
+        world = Layout(pp=settings.pp, dp=settings.dp)
         groups = build_communicators(
-            pp_groups=pp_groups,
-            dp_groups=dp_groups,
+            pp_groups=world.pp_groups,
+            dp_groups=world.dp_groups,
             relay_backend="nccl" if settings.backend == "nccl" else "gloo",
             timeout=timeout,
         )
@@ -139,7 +132,7 @@ def run_rank(
         if log_dir is not None:
             header = LogHeader(
                 rank=rank,
-                world=Layout(pp=settings.pp, dp=settings.dp),
+                world=world,
                 config=json.loads(json.dumps(attrs.asdict(settings))),
             )
             perform = Recorder(header, perform, path=Path(log_dir) / log_file_name(rank))
