@@ -88,21 +88,21 @@ class TensorSpec:
     dtype: DType  # its dtype
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # refs are dict keys on every effect
 class BufferRef:
     """Names a device (or, for the DP table, host) tensor in the interpreter's environment."""
 
     name: str
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # refs are dict keys on every effect
 class EventRef:
     """Names a recorded device event."""
 
     name: str
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # refs are dict keys on every effect
 class WorkRef:
     """Names the handle of an asynchronous collective."""
 
