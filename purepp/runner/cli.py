@@ -37,6 +37,8 @@ class RunSummary:
     aborted: int  # requests aborted in flight
     drafts_proposed: int  # drafts verified by the last stages
     drafts_accepted: int  # of which accepted
+    padded_tokens: int  # tokens the last stages ran beyond their batches (agreed shapes)
+    eager_steps: int  # steps a DP group agreed to run eager, summed over the last stages
     verdict: ParityVerdict  # against the single-stage run
 
     def render(self) -> str:
@@ -52,6 +54,8 @@ class RunSummary:
                 f"  requests         {self.requests} ({self.aborted} aborted in flight)",
                 f"  tokens           {self.tokens} in {self.seconds:.2f} s ({rate:.1f} tokens/s)",
                 f"  drafts accepted  {accepted}",
+                f"  DP agreement     {self.padded_tokens} padding tokens, "
+                f"{self.eager_steps} eager steps",
                 f"  parity           {self.verdict.render()}",
             ]
         )
@@ -256,6 +260,8 @@ def _summarise(
         aborted=len(aborted),
         drafts_proposed=sum(int(r["drafts_proposed"]) for r in last_stages),  # type: ignore[call-overload]
         drafts_accepted=sum(int(r["drafts_accepted"]) for r in last_stages),  # type: ignore[call-overload]
+        padded_tokens=sum(int(r["padded_tokens"]) for r in last_stages),  # type: ignore[call-overload]
+        eager_steps=sum(int(r["eager_steps"]) for r in last_stages),  # type: ignore[call-overload]
         verdict=verdict,
     )
 

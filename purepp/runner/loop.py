@@ -29,6 +29,7 @@ from purepp import dp
 from purepp.batch import need_sampled_mask
 from purepp.cudagraph import CaptureMode, CudaGraphDispatcher
 from purepp.effects.interpreter import Interpreter
+from purepp.effects.log import Layout
 from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.effects.vocabulary import BufferRef, DType, TensorSpec
 from purepp.errors import StaleTokenError
@@ -115,8 +116,9 @@ class RankLoop:
     ) -> None:
         self.settings = settings
         self.rank = rank
-        self.stage = rank % settings.pp
-        self.replica = rank // settings.pp
+        world = Layout(pp=settings.pp, dp=settings.dp)
+        self.stage = world.pp_stage(rank)
+        self.replica = world.dp_index(rank)
         self.env = env
         self.interpreter = perform
         self.activation_group = activation_group
