@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "CollectiveMismatchError",
     "ConfigError",
+    "HeaderMismatchError",
     "InterpreterError",
     "InvalidInputError",
     "LogFormatError",
@@ -64,3 +65,47 @@ class PeerFailureError(PureppError):
 
 class StaleTokenError(PureppError):
     """A sampled token reached a request slot that now holds another request."""
+
+
+class HeaderMismatchError(CollectiveMismatchError):
+    """A received relay header [step, request count] differs from the receiver's own.
+
+    Sender and receiver paired broadcasts of different steps or different batches.
+    Raised by the numpy interpreter and by the torch interpreter on CPU; on CUDA the
+    same check is a device-side assertion (see `purepp.effects.vocabulary.CheckHeader`).
+    """
+
+    def __init__(
+        self,
+        call: str,
+        *,
+        rank: int,
+        step: int,
+        expected: tuple[int, ...],
+        received: tuple[int, ...],
+    ) -> None:
+        self.rank = rank  # the receiving rank
+        self.step = step  # the step of its receive
+        self.expected = expected  # the header it computed from its own state and batch
+        self.received = received  # the header the sender broadcast
+        if len(expected) == len(received) == 2 and expected[0] != received[0]:
+            why = "this broadcast was sent at another step"
+            fix = (
+                "issue the relay's broadcasts and receives at every step on every stage (no "
+                "data-dependent gate) and call end_step once per step"
+            )
+        else:
+            why = "sender and receiver hold different batches for this step"
+            fix = "pass every stage the same replicated batch (same rows, same order) at each step"
+        super().__init__(
+            call,
+            f"rank {rank} received relay header {_header(received)} at step {step}"
+            f" but expected {_header(expected)}: {why}",
+            fix,
+        )
+
+
+def _header(values: tuple[int, ...]) -> str:
+    if len(values) == 2:
+        return f"[step {values[0]}, {values[1]} requests]"
+    return str(list(values))

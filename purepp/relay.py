@@ -17,6 +17,14 @@ One decode step on a rank calls, in order:
 The caller binds its own tensors to the input references below (`SAMPLED_TOKENS`,
 ...) before a step and reads the consumed outputs through the references in
 `ConsumedOutputs` until `end_step`.
+
+With `RelayConfig.validate_header` (opt-in; off, the effects are the seed's call for
+call) the last stage's first broadcast of a step is a fixed-shape header, `relay_header`
+= [step, request count]; receivers post it first and check it on the device
+(`CheckHeader`) before posting the step's other receives. Its wire shape never changes,
+so a sender and receivers that disagree on the step or on the batch meet at the header
+and the mismatch is named there, instead of hanging or corrupting data at the next,
+differently shaped broadcast.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from purepp.effects.vocabulary import (
     Allocate,
     Broadcast,
     BufferRef,
+    CheckHeader,
     Communicator,
     CopyHostToDevice,
     DType,
@@ -59,6 +68,7 @@ from purepp.step import Step
 
 __all__ = [
     "DRAFT_TOKENS",
+    "HEADER_SHAPE",
     "IDX_MAPPING",
     "NUM_REJECTED",
     "NUM_SAMPLED",
@@ -76,6 +86,7 @@ __all__ = [
     "init_relay",
     "receive",
     "relay_aux_hidden_states",
+    "relay_header",
 ]
 
 # The caller's tensors, bound under these names before the step that reads them.
@@ -85,6 +96,11 @@ SAMPLED_TOKENS = BufferRef("input.sampled_token_ids")  # last stage: [n, k] int6
 NUM_SAMPLED = BufferRef("input.num_sampled")  # last stage: [n] int32
 NUM_REJECTED = BufferRef("input.num_rejected")  # last stage: [n] int32
 DRAFT_TOKENS = BufferRef("input.draft_tokens")  # last stage: [max_num_reqs, spec] int64 by slot
+
+HEADER_SHAPE = (2,)  # wire shape of the opt-in relay header: [step, request count] int32
+
+# The header's step wraps: it is int32 on the wire, and a server may run past 2**31 steps.
+_HEADER_STEP_MODULUS = 2**31
 
 
 def _check_config(instance: RelayConfig) -> None:
@@ -117,6 +133,10 @@ def _check_config(instance: RelayConfig) -> None:
             f"ring_depth={instance.ring_depth} with pp_size={instance.pp_size}",
             "use pp_size (one entry per in-flight step), or 1 without microbatching",
         )
+    if type(instance.validate_header) is not bool:
+        raise ConfigError(
+            call, f"validate_header={instance.validate_header!r}", "pass True or False"
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -130,6 +150,7 @@ class RelayConfig:
     num_speculative_steps: int  # draft tokens per request; 0 without speculation
     ring_depth: int  # steps between receive and consume: pp_size, or 1 without microbatching
     aux_hidden_state_keys: tuple[str, ...] = ()  # intermediate tensors relayed to the next stage
+    validate_header: bool = False  # send [step, n] first each step; receivers check it (opt-in)
 
     def __attrs_post_init__(self) -> None:
         _check_config(self)
@@ -145,6 +166,7 @@ class RelayConfig:
         first_rank: int = 0,
         microbatching: bool = True,
         aux_hidden_state_keys: tuple[str, ...] = (),
+        validate_header: bool = False,
     ) -> RelayConfig:
         """The configuration of `stage` in a pipeline whose stages are global ranks
         `first_rank .. first_rank + pp_size - 1`."""
@@ -156,6 +178,7 @@ class RelayConfig:
             num_speculative_steps=num_speculative_steps,
             ring_depth=pp_size if microbatching else 1,
             aux_hidden_state_keys=aux_hidden_state_keys,
+            validate_header=validate_header,
         )
 
     @property
@@ -233,6 +256,15 @@ def _name(state: RelayState, what: str) -> str:
     return f"relay.step{state.step}.{what}"
 
 
+def relay_header(step: int, num_reqs: int) -> IntArray:
+    """The opt-in header of `step`'s broadcasts: [step mod 2**31, request count], int32.
+
+    The last stage sends it; each receiver expects it from its own step counter and
+    batch, so both sides compute it from the facts they must already share.
+    """
+    return int32_array([step % _HEADER_STEP_MODULUS, num_reqs])
+
+
 def init_relay(config: RelayConfig) -> RelayState:
     """The state before step 0.
 
@@ -307,7 +339,9 @@ def receive(config: RelayConfig, state: RelayState, batch: BatchFacts) -> Step[R
     """Post this step's receives (non-last stages) into the ring's newest entry.
 
     The result is True iff every row of the batch needs its sampled token, so
-    the caller may gather from all requests.
+    the caller may gather from all requests. With `validate_header`, the first
+    receive is the sender's `relay_header`, checked on the relay stream against this
+    rank's own step and request count before the step's other receives.
     """
     call = "receive"
     _require_stage(call, config, last=False)
@@ -336,7 +370,27 @@ def receive(config: RelayConfig, state: RelayState, batch: BatchFacts) -> Step[R
     sampled_shape = (n, config.max_sample_len)
     effects: list[Effect] = [
         # Receives start only after the main stream's queued work, as the sends do.
-        WaitStream(**relay, stream=Stream.RELAY, waits_for=Stream.MAIN),
+        WaitStream(**relay, stream=Stream.RELAY, waits_for=Stream.MAIN)
+    ]
+    done_with: tuple[BufferRef, ...] = ()
+    if config.validate_header:
+        # The check runs on the relay stream ahead of every receive whose shape depends
+        # on n; only that stream uses the header, so it is released at this step's end.
+        header = BufferRef(_name(state, "header"))
+        effects += [
+            Allocate(
+                **relay, buffer=header, shape=HEADER_SHAPE, dtype=DType.INT32, stream=Stream.RELAY
+            ),
+            Broadcast(**relay, **wire, buffer=header, shape=HEADER_SHAPE, dtype=DType.INT32),
+            CheckHeader(
+                **relay,
+                buffer=header,
+                expected=relay_header(state.step, n),
+                stream=Stream.RELAY,
+            ),
+        ]
+        done_with = (header,)
+    effects += [
         Allocate(
             **relay, buffer=sampled, shape=sampled_shape, dtype=DType.INT64, stream=Stream.RELAY
         ),
@@ -369,7 +423,9 @@ def receive(config: RelayConfig, state: RelayState, batch: BatchFacts) -> Step[R
         # Snapshot, so a free of any of these slots before consume is detectable.
         generations=state.generations[batch.idx_mapping],
     )
-    new_state = attrs.evolve(state, ring=(*state.ring[:-1], pending))
+    new_state = attrs.evolve(
+        state, ring=(*state.ring[:-1], pending), to_release=(*state.to_release, *done_with)
+    )
     return Step(new_state, tuple(effects), bool(mask.all()))
 
 
@@ -449,6 +505,7 @@ def broadcast_sampled(
     `sampled` describes the tensor bound to SAMPLED_TOKENS; it is padded to the
     fixed wire width spec + 1, because a plain-sampler step produces [n, 1]
     while receivers always post [n, spec + 1] (a width mismatch hangs NCCL).
+    With `validate_header`, `relay_header(step, n)` goes first (see `receive`).
     The result says whether anything was sent.
     """
     call = "broadcast_sampled"
@@ -472,8 +529,22 @@ def broadcast_sampled(
     send_tokens = BufferRef(_name(state, "send_sampled_tokens"))
     send_counts = BufferRef(_name(state, "send_counts"))
     sampled_shape = (n, config.max_sample_len)
-    effects: tuple[Effect, ...] = (
-        WaitStream(**relay, stream=Stream.RELAY, waits_for=Stream.MAIN),
+    effects: list[Effect] = [WaitStream(**relay, stream=Stream.RELAY, waits_for=Stream.MAIN)]
+    sent: tuple[BufferRef, ...] = ()
+    if config.validate_header:
+        # First on the wire, so receivers check step and n before any n-shaped receive.
+        send_header = BufferRef(_name(state, "send_header"))
+        effects += [
+            CopyHostToDevice(
+                **relay,
+                source=relay_header(state.step, n),
+                buffer=send_header,
+                stream=Stream.RELAY,
+            ),
+            Broadcast(**relay, **wire, buffer=send_header, shape=HEADER_SHAPE, dtype=DType.INT32),
+        ]
+        sent = (send_header,)
+    effects += [
         # Send buffers are fresh snapshots: the caller may reuse its tensors at once.
         PadColumns(
             **relay,
@@ -493,9 +564,9 @@ def broadcast_sampled(
             RecordStream(**relay, buffer=b, stream=Stream.RELAY)
             for b in (SAMPLED_TOKENS, NUM_SAMPLED, NUM_REJECTED)
         ),
-    )
-    new_state = attrs.evolve(state, to_release=(*state.to_release, send_tokens, send_counts))
-    return Step(new_state, effects, True)
+    ]
+    released = (*state.to_release, *sent, send_tokens, send_counts)
+    return Step(attrs.evolve(state, to_release=released), tuple(effects), True)
 
 
 def broadcast_drafts(

@@ -458,7 +458,8 @@ def scatter_cases(draw: st.DrawFn) -> tuple[Int64Rows, Int64Rows, Int32Index]:
 def schedule_configs(
     draw: st.DrawFn, *, max_pp: int = 4, max_dp: int = 3, max_spec: int = 2, steps: int = 14
 ) -> ScheduleConfig:
-    """A scripted PP x DP schedule's configuration: any world up to the bounds, any seed."""
+    """A scripted PP x DP schedule's configuration: any world up to the bounds, any seed,
+    with or without the relay's validated header."""
     return ScheduleConfig(
         pp=draw(st.integers(1, max_pp)),
         dp=draw(st.integers(1, max_dp)),
@@ -466,4 +467,5 @@ def schedule_configs(
         steps=steps,
         seed=draw(st.integers(0, 2**32 - 1)),
         max_num_reqs=draw(st.integers(1, 6)),
+        validate_header=draw(st.booleans()),
     )

@@ -43,7 +43,16 @@ from purepp.effects.vocabulary import (
     Stream,
     TensorSpec,
 )
-from purepp.relay import DRAFT_TOKENS, RelayConfig, RelayState, broadcast_drafts, broadcast_sampled
+from purepp.errors import HeaderMismatchError
+from purepp.relay import (
+    DRAFT_TOKENS,
+    RelayConfig,
+    RelayState,
+    broadcast_drafts,
+    broadcast_sampled,
+    end_step,
+    receive,
+)
 from purepp.runner.scripted import (
     PureSteps,
     Schedule,
@@ -227,6 +236,166 @@ def test_ff3_more_steps_in_flight_than_the_ring_is_deep_is_a_ring_overrun() -> N
 @pytest.mark.parametrize("in_flight", [1, 2])
 def test_no_more_steps_in_flight_than_the_ring_is_deep_is_fine(in_flight: int) -> None:
     simulate_schedule(schedule_of(pp=2, dp_size=1, spec=1), max_steps_in_flight=in_flight)
+
+
+# ---- FF3 with the opt-in validated header: disagreements named at the header ---------------
+#
+# The simulator compares the step labels effects carry; NCCL and gloo never see them.
+# `compare_steps=False` matches posts as the wire does, so these tests show what a real
+# run would do with and without the header: only the header's values can tell.
+
+
+def header_schedule(*, seed: int, validate_header: bool) -> Schedule:
+    config = ScheduleConfig(
+        pp=2, dp=1, spec=1, steps=STEPS, seed=seed, validate_header=validate_header
+    )
+    return make_schedule(config)
+
+
+def header_error(schedule: Schedule, **options: object) -> HeaderMismatchError:
+    with pytest.raises(HeaderMismatchError) as caught:
+        simulate_schedule(schedule, **options)  # type: ignore[arg-type]
+    return caught.value
+
+
+def sampled_gated_on_decodes(
+    config: RelayConfig, state: RelayState, batch: BatchFacts, sampled: TensorSpec
+) -> Step[RelayState, bool]:
+    """The field bug: the sender skips a step's broadcasts unless some row decodes, while
+    the receivers post whenever a row samples: they run one broadcast ahead of it."""
+    if not bool((batch.num_computed_tokens >= batch.prefill_len).any()):
+        return Step(state, (), False)
+    return broadcast_sampled(config, state, batch, sampled)
+
+
+FF3_SKIP_STEPS = only_on(
+    {1},
+    PureSteps(broadcast_sampled=sampled_gated_on_decodes, broadcast_drafts=drafts_gated_on_decodes),
+)
+
+
+def test_ff3_header_a_sender_skipping_a_step_is_named_at_the_header_with_both_values() -> None:
+    # Seed 0: step 2 samples only final prefill chunks (skipped by the sender), step 3
+    # decodes, and both batches have 4 rows, so the skip does not change any shape.
+    plain = header_schedule(seed=0, validate_header=False)
+    assert (plain.at(2, 0).batch.num_reqs, plain.at(3, 0).batch.num_reqs) == (4, 4)
+
+    error = header_error(
+        header_schedule(seed=0, validate_header=True), steps_for=FF3_SKIP_STEPS, compare_steps=False
+    )
+
+    assert (error.rank, error.step) == (0, 2)
+    assert (error.expected, error.received) == ((2, 4), (3, 4))
+    assert error.call == "NumpyInterpreter.perform(CheckHeader step=2 op=receive)"
+    assert "sent at another step" in error.problem
+
+    # Without the header the wire pairs step 2's receives with step 3's broadcasts
+    # silently; the run stalls later, at a consume that waits for a broadcast never sent.
+    report = report_of(plain, steps_for=FF3_SKIP_STEPS, compare_steps=False)
+    assert isinstance(report, RingOverrunReport)
+    assert report.step > 2
+
+    # With the labels compared, the simulator stops at the header broadcast (op #0).
+    labelled = report_of(header_schedule(seed=0, validate_header=True), steps_for=FF3_SKIP_STEPS)
+    assert isinstance(labelled, MismatchReport)
+    assert (labelled.seq, labelled.step, labelled.differing) == (0, 2, (MismatchField.STEP,))
+    assert (labelled.expected.shape, labelled.expected.dtype) == ((2,), DType.INT32)
+
+
+def test_ff3_header_a_skip_that_changes_the_shape_is_still_named_as_a_step() -> None:
+    # Seed 1: the skipped step has 4 rows, the sender's next one 3: without the header
+    # the wire reports only that shapes differ.
+    plain = report_of(
+        header_schedule(seed=1, validate_header=False),
+        steps_for=FF3_SKIP_STEPS,
+        compare_steps=False,
+    )
+    assert isinstance(plain, MismatchReport)
+    assert (plain.seq, plain.differing) == (0, (MismatchField.SHAPE,))
+    assert plain.received is not None
+    assert (plain.expected.shape, plain.received.shape) == ((4, 2), (3, 2))
+    # The report shows the posts' labels (steps 2 and 3) though the wire ignored them.
+    assert (plain.expected.step, plain.received.step) == (2, 3)
+
+    error = header_error(
+        header_schedule(seed=1, validate_header=True), steps_for=FF3_SKIP_STEPS, compare_steps=False
+    )
+    assert (error.rank, error.step, error.expected, error.received) == (0, 2, (2, 4), (3, 3))
+
+
+def end_step_only_after_sending(config: RelayConfig, state: RelayState) -> Step[RelayState, None]:
+    """The bug: the last stage ends the relay step only when it sent something, so its
+    step counter falls behind the receivers' on every step where nothing sampled."""
+    if not state.to_release:
+        return Step(state, (), None)
+    return end_step(config, state)
+
+
+FF3_DRIFT_STEPS = only_on({1}, PureSteps(end_step=end_step_only_after_sending))
+
+
+def test_ff3_header_a_drifting_step_counter_is_invisible_on_the_wire_but_not_to_the_header() -> (
+    None
+):
+    plain = header_schedule(seed=0, validate_header=False)
+    # Nothing on the wire differs: the run completes as the correct one does ...
+    drifted = simulate_schedule(plain, steps_for=FF3_DRIFT_STEPS, compare_steps=False)
+    assert drifted.outputs[0] == simulate_schedule(plain).outputs[0]
+
+    # ... but the header carries the sender's counter, two steps behind at step 2.
+    error = header_error(
+        header_schedule(seed=0, validate_header=True),
+        steps_for=FF3_DRIFT_STEPS,
+        compare_steps=False,
+    )
+    assert (error.rank, error.step, error.expected, error.received) == (0, 2, (2, 4), (0, 4))
+
+
+def receive_sampling_rows_only(
+    config: RelayConfig, state: RelayState, batch: BatchFacts
+) -> Step[RelayState, bool]:
+    """The bug: a receiver builds its batch from the rows that sample (its own view of
+    the batch), so it counts fewer requests than the sender broadcasts."""
+    mask = need_sampled_mask(batch)
+    if mask is None or mask.all():
+        return receive(config, state, batch)
+    rows = BatchFacts(
+        idx_mapping=batch.idx_mapping[mask],
+        num_computed_tokens=batch.num_computed_tokens[mask],
+        num_scheduled_tokens=batch.num_scheduled_tokens[mask],
+        prefill_len=batch.prefill_len[mask],
+    )
+    return receive(config, state, rows)
+
+
+FF4_COUNT_STEPS = only_on({0}, PureSteps(receive=receive_sampling_rows_only))
+
+
+def test_ff4_header_a_receiver_counting_other_requests_is_named_at_the_header() -> None:
+    plain = report_of(header_schedule(seed=0, validate_header=False), steps_for=FF4_COUNT_STEPS)
+    # Without the header: a shape mismatch at the sampled tokens, [1, 2] against [4, 2].
+    assert isinstance(plain, MismatchReport)
+    assert (plain.seq, plain.step, plain.differing) == (0, 2, (MismatchField.SHAPE,))
+    assert plain.received is not None
+    assert (plain.expected.shape, plain.received.shape) == ((1, 2), (4, 2))
+
+    for compare_steps in (True, False):
+        error = header_error(
+            header_schedule(seed=0, validate_header=True),
+            steps_for=FF4_COUNT_STEPS,
+            compare_steps=compare_steps,
+        )
+        assert (error.rank, error.step, error.expected, error.received) == (0, 2, (2, 1), (2, 4))
+        assert "different batches" in error.problem
+        assert "rank 0 received relay header [step 2, 4 requests] at step 2" in str(error)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3])
+def test_the_correct_program_passes_with_the_header_in_both_matching_modes(seed: int) -> None:
+    schedule = header_schedule(seed=seed, validate_header=True)
+    expected = simulate_schedule(header_schedule(seed=seed, validate_header=False)).outputs
+    for compare_steps in (True, False):
+        assert simulate_schedule(schedule, compare_steps=compare_steps).outputs == expected
 
 
 # ---- FF8: a free path that forgets to bump the generation ----------------------------------

@@ -103,6 +103,11 @@ WORLDS = [
     pytest.param(ScheduleConfig(pp=3, dp=1, spec=1, steps=STEPS, seed=22), id="pp3-spec1"),
     pytest.param(ScheduleConfig(pp=1, dp=2, spec=0, steps=STEPS, seed=23), id="dp2"),
     pytest.param(ScheduleConfig(pp=1, dp=3, spec=1, steps=STEPS, seed=24), id="dp3"),
+    # The opt-in relay header: sent, received and checked on real ranks.
+    pytest.param(
+        ScheduleConfig(pp=3, dp=1, spec=2, steps=STEPS, seed=22, validate_header=True),
+        id="pp3-spec2-header",
+    ),
 ]
 
 
@@ -122,8 +127,13 @@ def _gpus() -> int:
     [
         pytest.param(ScheduleConfig(pp=2, dp=1, spec=2, steps=STEPS, seed=21), id="pp2-spec2"),
         pytest.param(ScheduleConfig(pp=1, dp=2, spec=1, steps=STEPS, seed=23), id="dp2"),
+        pytest.param(
+            ScheduleConfig(pp=2, dp=1, spec=2, steps=STEPS, seed=21, validate_header=True),
+            id="pp2-spec2-header",
+        ),
     ],
 )
 def test_nccl_ranks_consume_and_record_what_the_simulator_does(config: ScheduleConfig) -> None:
-    # Also: after warm-up no performed effect synchronises the host (NoSyncPerform).
+    # Also: after warm-up no performed effect synchronises the host (NoSyncPerform), the
+    # header's device-side check included.
     check_world(config, "nccl")

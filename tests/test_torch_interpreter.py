@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from typing import TypedDict
@@ -33,6 +35,7 @@ from purepp.effects.vocabulary import (
     AllReduce,
     Broadcast,
     BufferRef,
+    CheckHeader,
     Communicator,
     CopyHostToDevice,
     DType,
@@ -52,7 +55,7 @@ from purepp.effects.vocabulary import (
     WaitWork,
     WorkRef,
 )
-from purepp.errors import ConfigError, InterpreterError
+from purepp.errors import ConfigError, HeaderMismatchError, InterpreterError
 from tests.strategies import gather_cases, scatter_cases
 
 CPU = torch.device("cpu")
@@ -424,6 +427,52 @@ def test_a_communicator_without_a_group_is_an_error(
         interp.perform((broadcast(A, (1, 2), DType.INT64),))
 
 
+# ---- the relay header's check ------------------------------------------------------------
+
+
+def header_check(expected: list[int], step: int = 7) -> CheckHeader:
+    tag = Tag(step=step, op=Op.RECEIVE)
+    return CheckHeader(**tag, buffer=A, expected=expected, stream=Stream.RELAY)
+
+
+def sent_header(values: list[int]) -> tuple[Effect, ...]:
+    """The sender's side on a one-rank world: the header copied in and broadcast."""
+    tag = Tag(step=7, op=Op.BROADCAST)
+    return (
+        CopyHostToDevice(**tag, source=values, buffer=A, stream=Stream.RELAY),
+        broadcast(A, (2,), DType.INT32),
+    )
+
+
+def test_a_matching_header_passes(interp: TorchInterpreter) -> None:
+    interp.perform((*sent_header([7, 3]), header_check([7, 3])))
+    assert interp.tensor(A).tolist() == [7, 3]
+
+
+@pytest.mark.parametrize(("sent", "why"), [([8, 3], "another step"), ([7, 2], "different batches")])
+def test_a_wrong_header_on_cpu_raises_the_typed_error_naming_both(
+    interp: TorchInterpreter, sent: list[int], why: str
+) -> None:
+    interp.perform(sent_header(sent))
+    with pytest.raises(HeaderMismatchError) as caught:
+        interp.perform((header_check([7, 3]),))
+    error = caught.value
+    assert (error.rank, error.step, error.expected, error.received) == (0, 7, (7, 3), tuple(sent))
+    assert error.call == "TorchInterpreter.perform(CheckHeader step=7 op=receive)"
+    assert why in error.problem
+
+
+@pytest.mark.parametrize(
+    "bound", [torch.tensor([7, 3], dtype=torch.int64), torch.tensor([7, 3, 0], dtype=torch.int32)]
+)
+def test_a_header_of_another_layout_is_refused(
+    interp: TorchInterpreter, bound: torch.Tensor
+) -> None:
+    interp.bind(A, bound)
+    with pytest.raises(InterpreterError, match=r"but the expected header is torch\.int32 \(2,\)"):
+        interp.perform((header_check([7, 3]),))
+
+
 def all_reduce(table: list[list[int]], work: WorkRef | None) -> AllReduce:
     contribution = np.array(table, dtype=np.int32)
     return AllReduce(
@@ -515,3 +564,73 @@ def test_a_consume_like_step_makes_no_device_to_host_sync() -> None:
         BufferRef(name)
         for name in ("drafts", "rows", "table", "s0.kept", "s1.kept", "s2.kept", "s3.kept")
     }
+
+
+# ---- GPU: the header check is a device-side assertion ------------------------------------
+
+# Run in a fresh process: a failed device assertion leaves the CUDA context unusable.
+_WRONG_HEADER_ON_CUDA = """
+import sys
+import torch
+from purepp.effects.torch_interpreter import TorchInterpreter
+from purepp.effects.vocabulary import BufferRef, CheckHeader, Op, Stream
+
+device = torch.device("cuda", 0)
+interp = TorchInterpreter(device=device, groups={}, rank=0)
+header = BufferRef("header")
+interp.bind(header, torch.tensor([7, 3], dtype=torch.int32, device=device))
+torch.cuda.synchronize()
+check = CheckHeader(step=7, op=Op.RECEIVE, buffer=header, expected=[7, 4], stream=Stream.RELAY)
+torch.cuda.set_sync_debug_mode("error")
+interp.perform((check,))
+torch.cuda.set_sync_debug_mode("default")
+print("performed without a sync", flush=True)
+try:
+    torch.cuda.synchronize()
+except RuntimeError as error:
+    print("raised at synchronize:", str(error).splitlines()[0], flush=True)
+    sys.exit(0)
+print("no error at synchronize", flush=True)
+sys.exit(1)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_wrong_header_on_cuda_trips_a_device_assertion_seen_only_at_a_sync() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _WRONG_HEADER_ON_CUDA],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert "performed without a sync" in result.stdout, result.stderr
+    assert "raised at synchronize:" in result.stdout, result.stdout + result.stderr
+    assert "device-side assert" in result.stdout
+    # The kernel's own report carries the interpreter's message.
+    assert "relay header mismatch at step 7 (expected [7, 4])" in result.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_right_header_on_cuda_passes_without_a_sync() -> None:
+    device = torch.device("cuda", 0)
+    interp = TorchInterpreter(device=device, groups={}, rank=0)
+    steps = range(7, 12)
+    headers = torch.tensor([[step, 3] for step in steps], dtype=torch.int32, device=device)
+    for row, step in enumerate(steps):
+        interp.bind(BufferRef(f"header{step}"), headers[row])
+    torch.cuda.synchronize()
+
+    def check(step: int) -> CheckHeader:
+        return attrs.evolve(header_check([step, 3], step=step), buffer=BufferRef(f"header{step}"))
+
+    interp.perform((check(7),))  # warm-up: first-use pinned and device memory
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in steps[1:]:
+            interp.perform((check(step),))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()  # raises if any check failed on the device

@@ -18,6 +18,9 @@ docstrings), with streams modelled explicitly so that ordering bugs show up:
   one-member world is possible: a broadcast from this rank and an all-reduce of
   this rank's table complete at once. The simulator supplies a port that matches
   and moves data between ranks.
+- `CheckHeader` is a kernel on its stream: it compares once the header's broadcast
+  has completed, and a mismatch raises `HeaderMismatchError` (naming this rank, the
+  step and both headers) from whichever call ran it; in the simulator the run stops.
 - Buffer lifetimes follow the caching allocator: a buffer belongs to the pool of
   the stream it was made on. When its last name is released while an unfinished
   effect on another stream still uses it, and that stream was not recorded with
@@ -46,6 +49,7 @@ from purepp.effects.vocabulary import (
     AllReduce,
     Broadcast,
     BufferRef,
+    CheckHeader,
     CopyHostToDevice,
     DType,
     Effect,
@@ -65,7 +69,7 @@ from purepp.effects.vocabulary import (
     WaitWork,
     WorkRef,
 )
-from purepp.errors import InterpreterError, InvalidInputError
+from purepp.errors import HeaderMismatchError, InterpreterError, InvalidInputError
 
 __all__ = [
     "POISON",
@@ -115,6 +119,8 @@ def describe_effect(effect: Effect) -> str:
             return f"copy_host_to_device({effect.buffer.name!r})"
         case Broadcast():
             return f"broadcast({effect.buffer.name!r} over {effect.comm.value})"
+        case CheckHeader():
+            return f"check_header({effect.buffer.name!r} == {effect.expected.tolist()})"
         case AllReduce():
             mode = "synchronous" if effect.work is None else f"work {effect.work.name!r}"
             return f"all_reduce({effect.result.name!r} over {effect.comm.value}, {mode})"
@@ -453,6 +459,8 @@ class NumpyInterpreter:
                 self._copy_host_to_device(effect)
             case Broadcast():
                 self._broadcast(effect)
+            case CheckHeader():
+                self._check_header(effect)
             case AllReduce():
                 self._all_reduce(effect)
             case WaitWork():
@@ -656,6 +664,31 @@ class NumpyInterpreter:
         posted = PostedCollective(self._rank, effect, buffer.array)
         self._port.post(posted)
         self._queue(effect.stream, _CollectiveStep(effect, posted, (buffer,)))
+
+    def _check_header(self, effect: CheckHeader) -> None:
+        call = _call(effect)
+        received = self._lookup(call, effect.buffer)
+        expected = effect.expected
+        if received.array.shape != expected.shape or received.array.dtype != np.int32:
+            raise InterpreterError(
+                call,
+                f"header {effect.buffer.name!r} is {received.array.dtype} "
+                f"{received.array.shape} but the expected header is int32 {expected.shape}",
+                "check an int32 header of the expected length",
+            )
+
+        def run() -> None:
+            # Runs once the header's broadcast has completed, as the device kernel would.
+            if not np.array_equal(received.array, expected):
+                raise HeaderMismatchError(
+                    call,
+                    rank=self._rank,
+                    step=effect.step,
+                    expected=tuple(int(v) for v in expected.tolist()),
+                    received=tuple(int(v) for v in received.array.tolist()),
+                )
+
+        self._queue(effect.stream, _Kernel(effect, run, (received,)))
 
     def _all_reduce(self, effect: AllReduce) -> None:
         call = _call(effect)

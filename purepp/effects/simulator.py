@@ -14,7 +14,10 @@ as every communicator:
   the source's buffer into the others'; an all-reduce sums the contributions into
   every member's table.
 - Posts are compared as they arrive (`check_posts`): a member that disagrees on
-  kind, source, step, shape or dtype stops the run with a `MismatchReport`.
+  kind, source, step, shape or dtype stops the run with a `MismatchReport`. The step
+  is a label the wire never carries: with `compare_steps=False` posts are matched as
+  NCCL and gloo match them, and only what the data says (the relay's opt-in header,
+  checked by `CheckHeader`) can tell that two ranks paired different steps.
 - Ranks run greedily, lowest rank first: each issues effects until its host
   blocks, its program ends, or its next effect belongs to step s while a stage of
   its pipeline has not yet issued all of step s - `max_steps_in_flight`. That is
@@ -28,7 +31,9 @@ as every communicator:
   the collective it comes down to.
 
 All three reports are raised in a `CollectiveReportError` (a
-`CollectiveMismatchError`) whose message is the report's rendering.
+`CollectiveMismatchError`) whose message is the report's rendering. A received relay
+header that differs from the receiver's own stops the run with `HeaderMismatchError`
+(also a `CollectiveMismatchError`), raised by that rank's interpreter.
 """
 
 from __future__ import annotations
@@ -126,8 +131,9 @@ class _Instance:
 class _Hub:
     """Every communicator of the world: matches posts, completes ops, moves data."""
 
-    def __init__(self, world: Layout) -> None:
+    def __init__(self, world: Layout, *, compare_steps: bool) -> None:
         self._world = world
+        self._compare_steps = compare_steps
         self._instances: dict[CommInstance, _Instance] = {}
         self._where: dict[PostedCollective, tuple[_Instance, int]] = {}
 
@@ -143,7 +149,19 @@ class _Hub:
         posts[posted.rank] = posted
         self._where[posted] = (state, seq)
         signatures = {rank: signature_of(p.effect) for rank, p in posts.items()}
-        report = check_posts(key, seq, signatures)
+        if self._compare_steps:
+            report = check_posts(key, seq, signatures)
+        else:
+            # Compare as the wire does, then report the posts as they were labelled.
+            unlabelled = {rank: attrs.evolve(sig, step=0) for rank, sig in signatures.items()}
+            report = check_posts(key, seq, unlabelled)
+            if report is not None:
+                peer = report.peer
+                report = attrs.evolve(
+                    report,
+                    expected=signatures[report.rank],
+                    received=None if peer is None else signatures[peer],
+                )
         if report is not None:
             raise CollectiveReportError.from_report(_CALL, report)
 
@@ -238,11 +256,17 @@ _END = object()  # what `next` returns for an exhausted program
 
 class _Simulation:
     def __init__(
-        self, world: Layout, program: RankProgram, max_steps_in_flight: int, fill: int
+        self,
+        world: Layout,
+        program: RankProgram,
+        *,
+        max_steps_in_flight: int,
+        fill: int,
+        compare_steps: bool,
     ) -> None:
         self._world = world
         self._in_flight = max_steps_in_flight
-        self._hub = _Hub(world)
+        self._hub = _Hub(world, compare_steps=compare_steps)
         self._ranks: list[_Rank] = []
         for rank in range(world.world_size):
             interpreter = NumpyInterpreter(rank=rank, port=self._hub.port(), fill=fill)
@@ -425,6 +449,7 @@ def simulate(
     *,
     max_steps_in_flight: int | None = None,
     fill: int = POISON,
+    compare_steps: bool = True,
 ) -> SimulationResult:
     """Run `program` on every rank of `world` until every rank's program ends.
 
@@ -432,13 +457,19 @@ def simulate(
     per-step effect tuples. `max_steps_in_flight` bounds how many steps a stage
     may run ahead of the slowest stage of its pipeline (default: `world.pp`, the
     ring depth the relay uses). `fill` is the contents of fresh buffers.
+    `compare_steps=False` matches collectives as the wire does, ignoring the step
+    labels (kind, source, shape and dtype must still agree): what a real run of a
+    program that pairs different steps would do.
 
     Raises `CollectiveReportError` (a `CollectiveMismatchError`) carrying a
-    `MismatchReport`, `RingOverrunReport` or `DeadlockReport`.
+    `MismatchReport`, `RingOverrunReport` or `DeadlockReport`, or
+    `HeaderMismatchError` when a relay header check fails.
     """
     in_flight = world.pp if max_steps_in_flight is None else max_steps_in_flight
     if in_flight < 1:
         raise ConfigError(
             _CALL, f"max_steps_in_flight={in_flight}", "allow at least one step in flight"
         )
-    return _Simulation(world, program, in_flight, fill).run()
+    return _Simulation(
+        world, program, max_steps_in_flight=in_flight, fill=fill, compare_steps=compare_steps
+    ).run()

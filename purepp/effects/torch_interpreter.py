@@ -10,6 +10,21 @@ A steady-state step never synchronises the host with the device: host arrays
 reach the device through pinned staging memory, and the in-place row scatter
 routes skipped rows to a scratch row instead of filtering them on the host.
 
+`CheckHeader` (the opt-in relay header) never reads the header on the host on CUDA:
+the comparison is a device-side `torch._assert_async` on the relay stream. What a
+mismatch looks like (seen with torch 2.11 on H200s):
+- CUDA: `perform` returns normally. The assertion kernel fails on the device and
+  stderr shows "Assertion `rank R: relay header mismatch at step S (expected [S, N])`
+  failed"; no later work of the process runs, so the differently shaped receive after
+  the header never executes. The next call that synchronises with the device raises
+  `torch.AcceleratorError` ("CUDA error: device-side assert triggered"), and the CUDA
+  context is lost: the process must exit. Its peers wait in their next collective until
+  NCCL's watchdog times them out. With CUDA_LAUNCH_BLOCKING=1 the error is raised inside
+  `perform` of the failing CheckHeader. The received values stay on the device; the
+  simulator or a CPU run of the same program names them.
+- CPU: the broadcast has completed when `perform` reaches the check, so it compares
+  directly and raises `HeaderMismatchError` (rank, step, expected, received).
+
 Lifetimes: `Release` drops a buffer's binding (the caching allocator reclaims it
 stream-safely, given the `RecordStream` effects); `WaitEvent` and `WaitWork`
 consume their event or work handle, which is recorded once and waited on once.
@@ -36,6 +51,7 @@ from purepp.effects.vocabulary import (
     AllReduce,
     Broadcast,
     BufferRef,
+    CheckHeader,
     Communicator,
     CopyHostToDevice,
     DType,
@@ -55,7 +71,7 @@ from purepp.effects.vocabulary import (
     WaitWork,
     WorkRef,
 )
-from purepp.errors import ConfigError, InterpreterError, PeerFailureError
+from purepp.errors import ConfigError, HeaderMismatchError, InterpreterError, PeerFailureError
 
 __all__ = [
     "Backend",
@@ -396,6 +412,8 @@ class TorchInterpreter:
                 self._copy_host_to_device(effect)
             case Broadcast():
                 self._broadcast(effect)
+            case CheckHeader():
+                self._check_header(effect)
             case AllReduce():
                 self._all_reduce(effect)
             case WaitWork():
@@ -547,17 +565,18 @@ class TorchInterpreter:
 
     def _copy_host_to_device(self, effect: CopyHostToDevice) -> None:
         self._check_unbound(_describe(effect), effect.buffer)
-        source = effect.source
+        self._buffers[effect.buffer] = self._to_device(effect.source, effect.stream)
+
+    def _to_device(self, source: npt.NDArray[np.int32], stream: Stream) -> torch.Tensor:
+        """A new device tensor holding `source`, copied on `stream` without blocking the host."""
         if self._streams is None:
-            self._buffers[effect.buffer] = torch.from_numpy(source.copy())
-            return
+            return torch.from_numpy(source.copy())
         # Pinned staging memory makes the copy asynchronous; the caching host allocator
         # keeps it alive until the copy on this stream has finished.
         staging = torch.empty(source.shape, dtype=torch.int32, pin_memory=True)
         staging.numpy()[...] = source
-        with self._stream_context(effect.stream):
-            tensor = staging.to(self._device, non_blocking=True)
-        self._buffers[effect.buffer] = tensor
+        with self._stream_context(stream):
+            return staging.to(self._device, non_blocking=True)
 
     def _release(self, effect: Release) -> None:
         self._lookup(_describe(effect), effect.buffer)
@@ -603,6 +622,40 @@ class TorchInterpreter:
         except RuntimeError as error:
             what = f"broadcast of {effect.buffer.name!r} {effect.shape} from rank {effect.src}"
             raise self._peer_failure(call, what, effect.comm, error) from error
+
+    def _check_header(self, effect: CheckHeader) -> None:
+        call = _describe(effect)
+        received = self._lookup(call, effect.buffer)
+        expected = effect.expected
+        if tuple(received.shape) != expected.shape or received.dtype != torch.int32:
+            raise InterpreterError(
+                call,
+                f"header {effect.buffer.name!r} is {received.dtype} {tuple(received.shape)} "
+                f"but the expected header is torch.int32 {expected.shape}",
+                "check an int32 header of the expected length",
+            )
+        if self._streams is None:
+            # CPU: the broadcast has completed and reading the header costs no device sync.
+            if not torch.equal(received, torch.from_numpy(expected.copy())):
+                raise HeaderMismatchError(
+                    call,
+                    rank=self._rank,
+                    step=effect.step,
+                    expected=tuple(int(v) for v in expected.tolist()),
+                    received=tuple(int(v) for v in received.tolist()),
+                )
+            return
+        wanted = self._to_device(expected, effect.stream)
+        with self._stream_context(effect.stream):
+            # Reading the header on the host would synchronise every step: assert on the
+            # device instead. The kernel prints the message; the failure stops the
+            # process's later device work and surfaces at the next synchronisation.
+            matches = (received == wanted).all()
+            torch._assert_async(
+                matches,
+                f"rank {self._rank}: relay header mismatch at step {effect.step} "
+                f"(expected {expected.tolist()})",
+            )
 
     def _all_reduce(self, effect: AllReduce) -> None:
         call = _describe(effect)

@@ -23,6 +23,7 @@ __all__ = [
     "Allocate",
     "Broadcast",
     "BufferRef",
+    "CheckHeader",
     "Communicator",
     "CopyHostToDevice",
     "DType",
@@ -187,6 +188,28 @@ class Broadcast:
 
 
 @attrs.frozen(kw_only=True)
+class CheckHeader:
+    """Stop the run if the received header `buffer` differs from `expected`, with no host sync.
+
+    The relay's opt-in header ([step, request count], int32) is the first broadcast of
+    a step; every receiver checks it before its next receive, so a sender and receiver
+    that paired broadcasts of different steps or batches are named there rather than
+    hanging or corrupting data at a later, differently shaped broadcast. On CUDA the
+    comparison is a device-side assertion queued on `stream`, with no host sync (the run
+    fails at its next synchronisation and the CUDA context is lost; see the torch
+    interpreter); elsewhere it raises `HeaderMismatchError` naming the rank, the step
+    and both headers.
+    """
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    buffer: BufferRef  # the received header, a 1-D int32 buffer
+    # what it must hold (read-only int32), computed by the receiver itself
+    expected: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
+    stream: Stream  # stream the comparison is queued on (the one the header arrived on)
+
+
+@attrs.frozen(kw_only=True)
 class AllReduce:
     """Sum-all-reduce a host int32 table over `comm`; this rank contributes `contribution`.
 
@@ -297,6 +320,7 @@ Effect: TypeAlias = (
     | Allocate
     | CopyHostToDevice
     | Broadcast
+    | CheckHeader
     | AllReduce
     | WaitWork
     | RecordStream

@@ -49,7 +49,8 @@ class RunSummary:
         )
         return "\n".join(
             [
-                f"purepp run: pp={s.pp} x dp={s.dp} on {s.backend}, spec={s.spec}, seed={s.seed}",
+                f"purepp run: pp={s.pp} x dp={s.dp} on {s.backend}, spec={s.spec}, seed={s.seed}"
+                + (", relay header validated" if s.validate_header else ""),
                 f"  steps            {self.steps}",
                 f"  requests         {self.requests} ({self.aborted} aborted in flight)",
                 f"  tokens           {self.tokens} in {self.seconds:.2f} s ({rate:.1f} tokens/s)",
@@ -277,6 +278,8 @@ def _worker_argv(settings: RunSettings, log_dir: str | None, trace: str | None) 
         f"--backend={settings.backend}",
         f"--timeout={settings.timeout_s}",
     ]
+    if settings.validate_header:
+        argv.append("--validate-header")
     if log_dir is not None:
         argv.append(f"--log-dir={log_dir}")
     if trace is not None:

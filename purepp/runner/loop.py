@@ -131,6 +131,7 @@ class RankLoop:
             max_num_reqs=settings.max_num_reqs,
             num_speculative_steps=settings.spec,
             first_rank=self.replica * settings.pp,
+            validate_header=settings.validate_header,
         )
         self.relay = init_relay(self.relay_config)
         self.scheduler = Scheduler(

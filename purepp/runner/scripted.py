@@ -174,6 +174,10 @@ def _check_schedule_config(instance: ScheduleConfig) -> None:
             raise ConfigError(call, f"{name}={value!r}", f"pass an integer {name} >= 1")
     if type(instance.spec) is not int or instance.spec < 0:
         raise ConfigError(call, f"spec={instance.spec!r}", "pass 0 (no speculation) or more")
+    if type(instance.validate_header) is not bool:
+        raise ConfigError(
+            call, f"validate_header={instance.validate_header!r}", "pass True or False"
+        )
     if instance.max_prompt_len <= instance.chunk_size:
         raise ConfigError(
             call,
@@ -195,6 +199,7 @@ class ScheduleConfig:
     chunk_size: int = 3  # longest prefill chunk
     max_prompt_len: int = 7  # longest prompt (> chunk_size: some chunks do not sample)
     max_request_steps: int = 4  # most steps a request is scheduled before it is freed
+    validate_header: bool = False  # the relay's opt-in header (RelayConfig.validate_header)
 
     def __attrs_post_init__(self) -> None:
         _check_schedule_config(self)
@@ -261,6 +266,7 @@ class Schedule:
             max_num_reqs=self.config.max_num_reqs,
             num_speculative_steps=self.config.spec,
             first_rank=world.dp_index(rank) * world.pp,
+            validate_header=self.config.validate_header,
         )
 
 
@@ -752,20 +758,29 @@ def simulate_schedule(
     *,
     steps_for: Callable[[int], PureSteps] = _real_steps,
     max_steps_in_flight: int | None = None,
+    compare_steps: bool = True,
 ) -> ScriptedRun:
     """Run every rank of the schedule's world in the simulator.
 
     Raises `CollectiveReportError` when the ranks' collectives disagree, deadlock or
-    overrun the ring (see `purepp.effects.simulator.simulate`).
+    overrun the ring, and `HeaderMismatchError` when a relay header check fails (see
+    `purepp.effects.simulator.simulate`, also for `compare_steps`).
     """
     outputs: dict[int, RankOutputs] = {}
     result = simulate(
         schedule.world,
         scripted_program(schedule, outputs=outputs, steps_for=steps_for),
         max_steps_in_flight=max_steps_in_flight,
+        compare_steps=compare_steps,
     )
     ranks = range(schedule.world.world_size)
     return ScriptedRun(simulation=result, outputs=tuple(outputs[rank] for rank in ranks))
+
+
+def _written(field: attrs.Attribute[Any], value: object) -> bool:
+    # Opt-in switches are written only when on: logs of default runs stay byte-identical
+    # to those recorded before the switch existed (the golden logs).
+    return not (field.name == "validate_header" and value is False)
 
 
 def scripted_header(schedule: Schedule, rank: int) -> LogHeader:
@@ -774,7 +789,7 @@ def scripted_header(schedule: Schedule, rank: int) -> LogHeader:
     return LogHeader(
         rank=rank,
         world=schedule.world,
-        config={"scripted": attrs.asdict(config)},
+        config={"scripted": attrs.asdict(config, filter=_written)},
     )
 
 

@@ -29,6 +29,7 @@ class RunSettings:
     max_num_batched_tokens: int = 32  # token budget per step
     chunk_size: int = 8  # longest prefill chunk
     capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)  # CUDA-graph token sizes
+    validate_header: bool = False  # the relay's opt-in [step, n] header, checked by receivers
 
     def __attrs_post_init__(self) -> None:
         checks = (

@@ -53,6 +53,11 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=float, default=defaults.timeout_s, help="seconds before a peer is dead"
     )
+    parser.add_argument(
+        "--validate-header",
+        action="store_true",
+        help="send a [step, requests] header first each relay step; receivers check it",
+    )
     parser.add_argument("--log-dir", default=None, help="write one effect log per rank here")
     parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace here")
 
@@ -67,6 +72,7 @@ def settings_from_args(args: argparse.Namespace, **overrides: object) -> RunSett
         seed=args.seed,
         backend=args.backend,
         timeout_s=args.timeout,
+        validate_header=args.validate_header,
     )
     values.update(overrides)
     return RunSettings(**values)  # type: ignore[arg-type]
