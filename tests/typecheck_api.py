@@ -12,7 +12,8 @@ import numpy as np
 
 import purepp
 from purepp.effects import BufferRef, DType, Effect, TensorSpec
-from purepp.effects.arrays import BoolArray
+from purepp.effects.arrays import BoolArray, IntArray
+from purepp.relay import relay_header
 
 
 def _relay_steps(config: purepp.RelayConfig, batch: purepp.BatchFacts) -> None:
@@ -34,6 +35,7 @@ def _relay_steps(config: purepp.RelayConfig, batch: purepp.BatchFacts) -> None:
     assert_type(purepp.need_sampled_mask(batch), BoolArray | None)
     merged = purepp.relay_aux_hidden_states(config, {"aux": 1.5}, {"hidden": 2.5})
     assert_type(merged, dict[str, float])
+    assert_type(relay_header(3, 2), IntArray)
 
 
 def _agreement(dispatcher: purepp.CudaGraphDispatcher) -> None:

@@ -67,10 +67,13 @@ _PEER_FAILURE_EXIT = 4  # a worker that stopped because a peer failed
 
 
 def _blame_order(code: int) -> int:
-    """Which failure to report first: a named cause, then a crash, then its echoes."""
+    """Which failure to report first: a named cause, a rank killed by a signal, any
+    other crash, and last the peers that failed because of it."""
     if code == _PUREPP_ERROR_EXIT:
         return 0
-    return 2 if code == _PEER_FAILURE_EXIT else 1
+    if code < 0:
+        return 1
+    return 3 if code == _PEER_FAILURE_EXIT else 2
 
 
 class _Failure(Exception):
