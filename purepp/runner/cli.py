@@ -55,8 +55,8 @@ class RunSummary:
                 f"  requests         {self.requests} ({self.aborted} aborted in flight)",
                 f"  tokens           {self.tokens} in {self.seconds:.2f} s ({rate:.1f} tokens/s)",
                 f"  drafts accepted  {accepted}",
-                f"  DP agreement     {self.padded_tokens} padding tokens, "
-                f"{self.eager_steps} eager steps",
+                f"  batch shapes     {self.padded_tokens} tokens of CUDA-graph padding, "
+                f"{self.eager_steps} steps agreed eager across DP",
                 f"  parity           {self.verdict.render()}",
             ]
         )
