@@ -86,6 +86,19 @@ def test_run_prints_summary_with_parity_verdict(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
+def test_run_logs_replace_older_ones_and_pass_the_checker(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank-0007.jsonl").write_text("left over from a larger run\n")
+    result = _purepp("run", "--pp", "2", "--dp", "1", "--requests", "5", "--log-dir", str(logs))
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in logs.iterdir()) == ["rank-0000.jsonl", "rank-0001.jsonl"]
+    checked = _purepp("check", str(logs))
+    assert checked.returncode == 0, checked.stdout
+    assert checked.stdout.startswith("ok: 2 ranks")
+
+
+@pytest.mark.multiprocess
 def test_torchrun_runs_the_same_job(tmp_path: Path) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     worker = ["-m", "purepp.runner.worker", "--pp", "2", "--dp", "1", "--requests", "6"]

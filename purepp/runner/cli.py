@@ -310,6 +310,10 @@ def launch(
 ) -> RunSummary:
     """Run the world and the single-stage reference side by side; summarise both."""
     _check_before_start(settings, log_dir, trace)
+    if log_dir is not None:
+        # The folder must hold this run's logs only: `purepp check` reads every one.
+        for old_log in Path(log_dir).glob("rank-*.jsonl"):
+            old_log.unlink()
     with tempfile.TemporaryDirectory(prefix="purepp-run-") as tmp:
         argv = _worker_argv(settings, log_dir, trace)
         world = _World("run", settings.world_size, argv, Path(tmp) / "run")

@@ -58,7 +58,9 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="send a [step, requests] header first each relay step; receivers check it",
     )
-    parser.add_argument("--log-dir", default=None, help="write one effect log per rank here")
+    parser.add_argument(
+        "--log-dir", default=None, help="write one effect log per rank here (replacing old ones)"
+    )
     parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace here")
 
 
