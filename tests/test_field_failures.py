@@ -526,3 +526,24 @@ def test_need_sampled_mask_is_shared_so_sender_and_receivers_agree() -> None:
     assert sorted(set(sends)) == [
         s for s in range(STEPS) if need_sampled_mask(schedule.at(s, 0).batch) is not None
     ]
+
+
+# ---- FF6: no receive is posted that its own step's send does not match ---------------------
+
+
+@pytest.mark.parametrize(("pp", "spec"), [(2, 0), (3, 2), (4, 1)])
+def test_ff6_every_relay_receive_is_matched_by_a_send_of_the_same_step(pp: int, spec: int) -> None:
+    """A receive posted on the side stream waits for its send; purepp posts one only in
+    the step whose send matches it, so no receive outlives its step window."""
+    run = simulate_schedule(schedule_of(pp=pp, dp_size=1, spec=spec))
+    by_rank = run.simulation.effects
+    relay = [
+        [e for e in by_rank[rank] if isinstance(e, Broadcast) and e.comm is Communicator.PP_RELAY]
+        for rank in range(pp)
+    ]
+    sender = relay[pp - 1]
+    assert sender  # the schedule relays something
+    for receiver in relay[: pp - 1]:
+        assert len(receiver) == len(sender)
+        assert [e.step for e in receiver] == [e.step for e in sender]
+        assert {e.op for e in receiver} == {Op.RECEIVE}
