@@ -16,19 +16,14 @@ the ratio of the last to the first steady-state reading (1.00 means no growth).
 from __future__ import annotations
 
 import argparse
-import datetime
-import tempfile
 
 import numpy as np
 import torch
-import torch.distributed as dist
+from one_rank import one_rank_world
 
 from purepp.batch import BatchFacts
 from purepp.effects.torch_interpreter import (
-    Backend,
     TorchInterpreter,
-    build_communicators,
-    init_distributed,
 )
 from purepp.relay import (
     IDX_MAPPING,
@@ -97,25 +92,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5000)
     args = parser.parse_args()
     cuda = args.device == "cuda"
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    backend: Backend = "nccl" if cuda else "gloo"
-    if cuda:
-        torch.cuda.set_device(0)
-    timeout = datetime.timedelta(seconds=60)
-    with tempfile.NamedTemporaryFile() as store:
-        init_distributed(
-            backend=backend,
-            init_method=f"file://{store.name}",
-            rank=0,
-            world_size=1,
-            timeout=timeout,
-        )
-        groups = build_communicators(
-            pp_groups=[[0]], dp_groups=[[0]], relay_backend=backend, timeout=timeout
-        )
+    with one_rank_world(args.device) as (device, groups):
         env = TorchInterpreter(device=device, groups=groups, rank=0)
         readings = _run(env, args.rows, args.steps, cuda)
-        dist.destroy_process_group()
     n = args.rows
     ring_bytes = PP * (n * (SPEC + 1) * 8 + 2 * n * 4 + n * SPEC * 8 + n * 4)
     print(f"device={device} rows={n} pp={PP} spec={SPEC} steps={args.steps}")

@@ -16,9 +16,7 @@ ratio purepp / imperative, measured in one run.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,14 +24,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import torch.distributed as dist
+from one_rank import one_rank_world
 
 from purepp.batch import BatchFacts
 from purepp.effects.torch_interpreter import (
-    Backend,
     TorchInterpreter,
-    build_communicators,
-    init_distributed,
 )
+from purepp.effects.vocabulary import Communicator
 from purepp.relay import (
     IDX_MAPPING,
     RelayConfig,
@@ -177,24 +174,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    backend: Backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.device == "cuda":
-        torch.cuda.set_device(0)
-    with tempfile.NamedTemporaryFile() as store:
-        init_distributed(
-            backend=backend,
-            init_method=f"file://{store.name}",
-            rank=0,
-            world_size=1,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        groups = build_communicators(
-            pp_groups=[[0]],
-            dp_groups=[[0]],
-            relay_backend=backend,
-            timeout=datetime.timedelta(seconds=60),
-        )
+    with one_rank_world(args.device) as (device, groups):
         sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
         slots = 2 * args.rows
         # Stage 0 of a 2-stage pipeline whose "last rank" is this one rank, so the
@@ -208,7 +188,7 @@ def main() -> None:
             ring_depth=PP,
         )
         batches = _batches(args.rows, args.steps, slots)
-        relay_group = groups[next(c for c in groups if c.value == "pp_relay")]
+        relay_group = groups[Communicator.PP_RELAY]
         results: dict[str, list[float]] = {"pure": [], "purepp": [], "imperative": []}
         for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
             results["pure"].append(bench_pure(config, batches))
@@ -217,7 +197,6 @@ def main() -> None:
             results["imperative"].append(
                 bench_imperative(batches, slots, device, relay_group, sync)
             )
-        dist.destroy_process_group()
     median = {name: statistics.median(times) * 1e6 for name, times in results.items()}
     print(f"device={device} rows={args.rows} steps={args.steps} repeats={args.repeats} (median)")
     for name, micros in median.items():

@@ -13,7 +13,12 @@ import hypothesis.strategies as st
 import numpy as np
 
 from purepp.batch import BatchFacts
-from purepp.cudagraph import CaptureMode, CudaGraphDispatcher
+from purepp.cudagraph import (
+    BatchExecutionDescriptor,
+    CaptureMode,
+    CudaGraphDispatcher,
+    CUDAGraphMode,
+)
 from purepp.dp import RankBatch
 from purepp.effects.arrays import IntArray
 from purepp.effects.log import EffectLog, Layout, LogHeader
@@ -59,6 +64,10 @@ def row_tokens(draw: st.DrawFn, kind: str | None = None) -> tuple[int, int, int]
         computed = draw(st.integers(0, prefill - 2))
         return computed, draw(st.integers(1, prefill - 1 - computed)), prefill
     raise ValueError(f"row_tokens: unknown kind {kind!r}; use one of {ROW_KINDS}")
+
+
+DECODE = (10, 1, 4)  # computed, scheduled, prefill_len: a decode row, samples
+PARTIAL = (0, 2, 8)  # a non-final prefill chunk: no sampled token this step
 
 
 def make_batch(slots: Sequence[int], rows: Sequence[tuple[int, int, int]]) -> BatchFacts:
@@ -145,6 +154,26 @@ def batch_schedules(
 # ---------------------------------------------------------------------------
 # dp / cudagraph: dispatchers and per-rank batches (tests/test_dp*.py, test_cudagraph.py)
 # ---------------------------------------------------------------------------
+
+
+def desc(
+    mode: CUDAGraphMode,
+    tokens: int,
+    reqs: int | None,
+    *,
+    uniform: int | None = None,
+    query_len: int | None = None,
+    loras: int = 0,
+) -> BatchExecutionDescriptor:
+    """A descriptor, positionally: mode, padded tokens, padded requests."""
+    return BatchExecutionDescriptor(
+        cg_mode=mode,
+        num_tokens=tokens,
+        num_reqs=reqs,
+        uniform_token_count=uniform,
+        max_query_len=query_len,
+        num_active_loras=loras,
+    )
 
 
 @st.composite

@@ -14,7 +14,7 @@ from purepp.cudagraph import (
     CUDAGraphMode,
 )
 from purepp.errors import ConfigError, InvalidInputError
-from tests.strategies import cudagraph_dispatchers
+from tests.strategies import cudagraph_dispatchers, desc
 
 FULL = CUDAGraphMode.FULL
 PIECEWISE = CUDAGraphMode.PIECEWISE
@@ -37,25 +37,6 @@ def make(
         num_speculative_tokens=spec,
         lora_capture_cases=loras,
         varlen_decode=varlen,
-    )
-
-
-def desc(
-    mode: CUDAGraphMode,
-    tokens: int,
-    reqs: int | None,
-    *,
-    uniform: int | None = None,
-    query_len: int | None = None,
-    loras: int = 0,
-) -> BatchExecutionDescriptor:
-    return BatchExecutionDescriptor(
-        cg_mode=mode,
-        num_tokens=tokens,
-        num_reqs=reqs,
-        uniform_token_count=uniform,
-        max_query_len=query_len,
-        num_active_loras=loras,
     )
 
 

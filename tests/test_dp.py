@@ -10,7 +10,6 @@ import numpy.typing as npt
 import pytest
 
 from purepp.cudagraph import (
-    BatchExecutionDescriptor,
     CaptureMode,
     CudaGraphDispatcher,
     CUDAGraphMode,
@@ -43,6 +42,7 @@ from purepp.errors import (
     InvalidInputError,
     StaleSyncError,
 )
+from tests.strategies import desc
 
 FULL = CUDAGraphMode.FULL
 PIECEWISE = CUDAGraphMode.PIECEWISE
@@ -59,25 +59,6 @@ VARLEN = attrs.evolve(SPEC, varlen_decode=True)
 FULL_ONLY = CudaGraphDispatcher(
     capture_sizes=(1, 2, 4, 8, 16), capture_mode=CaptureMode.FULL, max_num_reqs=8
 )
-
-
-def desc(
-    mode: CUDAGraphMode,
-    tokens: int,
-    reqs: int | None,
-    *,
-    uniform: int | None = None,
-    query_len: int | None = None,
-    loras: int = 0,
-) -> BatchExecutionDescriptor:
-    return BatchExecutionDescriptor(
-        cg_mode=mode,
-        num_tokens=tokens,
-        num_reqs=reqs,
-        uniform_token_count=uniform,
-        max_query_len=query_len,
-        num_active_loras=loras,
-    )
 
 
 def sync(

@@ -57,10 +57,8 @@ from purepp.relay import (
     relay_aux_hidden_states,
 )
 from tests.relay_reference import arrays_in
-from tests.strategies import make_batch
+from tests.strategies import DECODE, PARTIAL, make_batch
 
-DECODE = (10, 1, 4)  # computed, scheduled, prefill_len: a decode row, samples
-PARTIAL = (0, 2, 8)  # a non-final prefill chunk: no sampled token this step
 DRAFTS_TARGET = BufferRef("runner.draft_tokens")
 
 

@@ -77,10 +77,7 @@ from purepp.runner.scripted import (
 )
 from purepp.runner.settings import RunSettings
 from purepp.runner.worker import add_run_options, settings_from_args
-from tests.strategies import batch_facts, relay_configs
-
-DECODE = (10, 1, 4)  # computed, scheduled, prefill_len: a decode row, samples
-PARTIAL = (0, 2, 8)  # a non-final prefill chunk: no sampled token this step
+from tests.strategies import DECODE, PARTIAL, batch_facts, relay_configs
 
 
 class Tag(TypedDict):
