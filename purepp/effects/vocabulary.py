@@ -34,12 +34,16 @@ __all__ = [
     "Op",
     "PadColumns",
     "RecordEvent",
+    "Pack",
     "RecordStream",
     "Release",
     "ScatterRows",
+    "Section",
     "StackRows",
     "Stream",
+    "Synchronize",
     "TensorSpec",
+    "Unpack",
     "WaitEvent",
     "WaitStream",
     "WaitWork",
@@ -59,6 +63,7 @@ class Communicator(enum.Enum):
 
     PP_RELAY = "pp_relay"  # sibling device group over the PP ranks, relay traffic only
     DP_CPU = "dp_cpu"  # CPU (gloo) group over the DP ranks, the agreement table
+    DP_DRAFTER_CPU = "dp_drafter_cpu"  # a second CPU group over the DP ranks: the drafter's lane
     PP_CPU = "pp_cpu"  # CPU (gloo) group over the PP ranks, an agreement across stages
 
 
@@ -312,6 +317,55 @@ class ScatterRows:
     stream: Stream  # stream the kernel runs on
 
 
+@attrs.frozen(kw_only=True)
+class Synchronize:
+    """Block the host until all work queued so far on `stream` has finished.
+
+    The seed does this on XPU before the last stage's broadcasts; on CPU it is a no-op.
+    """
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    stream: Stream  # the stream the host waits for
+
+
+@attrs.frozen(kw_only=True)
+class Section:
+    """One region of a packed wire buffer: `shape` elements of `dtype` at byte `offset`."""
+
+    buffer: BufferRef  # Pack: the source copied in; Unpack: the view bound out
+    offset: int  # byte offset in the packed buffer (a multiple of 16 on the packed wire)
+    shape: tuple[int, ...]  # the region's shape (a Pack source may be smaller: top-left corner)
+    dtype: DType  # element type the region is read as
+
+
+@attrs.frozen(kw_only=True)
+class Pack:
+    """`out` = a new zeroed int64 buffer of `nbytes` bytes holding every section's source.
+
+    Each source is copied into the top-left corner of its region (rows and columns past
+    the source's own stay zero), so one fixed-shape broadcast carries them all.
+    """
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    sections: tuple[Section, ...]  # what goes where
+    out: BufferRef  # the new packed buffer, int64 [nbytes // 8]
+    nbytes: int  # its size in bytes, a multiple of 16
+    stream: Stream  # stream the copies run on
+
+
+@attrs.frozen(kw_only=True)
+class Unpack:
+    """Bind each section's buffer to a view of `source`'s bytes (no copy)."""
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    source: BufferRef  # a contiguous buffer (the received packed wire)
+    sections: tuple[Section, ...]  # the views to bind
+    stream: Stream  # stream the views are read on (views queue no work)
+
+
 Effect: TypeAlias = (
     WaitStream
     | RecordEvent
@@ -330,6 +384,9 @@ Effect: TypeAlias = (
     | StackRows
     | GatherRows
     | ScatterRows
+    | Synchronize
+    | Pack
+    | Unpack
 )
 
 # Effects that every rank of a communicator must issue in the same order.
