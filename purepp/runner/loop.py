@@ -48,6 +48,7 @@ from purepp.relay import (
     init_relay,
     receive,
 )
+from purepp.runner.results import RankResult
 from purepp.runner.scheduler import ScheduledRow, ScheduledStep, Scheduler, SchedulerConfig
 from purepp.runner.settings import RunSettings
 from purepp.runner.toy_model import (
@@ -63,24 +64,6 @@ __all__ = ["DRAFTS_TO_UPDATE", "RankLoop", "RankResult"]
 
 # Non-last stages: the [max_num_reqs, spec] draft table the relay scatters drafts into.
 DRAFTS_TO_UPDATE = BufferRef("input.drafts_to_update")
-
-
-@attrs.frozen(kw_only=True)
-class RankResult:
-    """What one rank reports when its loop ends."""
-
-    rank: int  # global rank
-    stage: int  # pipeline stage
-    replica: int  # DP replica
-    steps: int  # steps run
-    seconds: float  # wall time of the loop
-    outputs: dict[int, list[int]]  # request id -> output tokens (requests that left or are live)
-    finished: tuple[int, ...]  # request ids that reached their max tokens
-    aborted: tuple[int, ...]  # request ids aborted in flight
-    drafts_proposed: int  # drafts the last stage verified
-    drafts_accepted: int  # of which accepted
-    padded_tokens: int  # tokens added by padding to agreed shapes
-    eager_steps: int  # steps the DP group agreed to run eager
 
 
 @attrs.frozen(kw_only=True)
