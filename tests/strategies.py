@@ -373,6 +373,13 @@ def _field_strategy(
     if typing.get_origin(tp) is tuple and args[1:] == (Ellipsis,):
         items = _field_strategy(owner, name, args[0], steps, ranks)
         return st.lists(items, max_size=4).map(tuple)
+    if isinstance(tp, type) and attrs.has(tp):  # a value inside an effect (Section)
+        hints = typing.get_type_hints(tp)
+        parts = {
+            f.name: _field_strategy(tp, f.name, hints[f.name], steps, ranks)
+            for f in attrs.fields(tp)
+        }
+        return st.builds(tp, **parts)
     if isinstance(tp, types.UnionType) and type(None) in args:
         (inner,) = (arg for arg in args if arg is not type(None))
         return st.none() | _field_strategy(owner, name, inner, steps, ranks)

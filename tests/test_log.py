@@ -20,7 +20,6 @@ from purepp.effects.log import (
     EFFECT_KINDS,
     SCHEMA,
     EffectLog,
-    Layout,
     LogHeader,
     LogRecord,
     Recorder,
@@ -52,6 +51,7 @@ from purepp.effects.vocabulary import (
     WaitStream,
 )
 from purepp.errors import ConfigError, InterpreterError, InvalidInputError, LogFormatError
+from purepp.layout import Layout
 from tests.strategies import effect_logs, effects_of, json_objects, layouts, log_headers
 
 # -- a small realistic log --------------------------------------------------------
@@ -440,12 +440,13 @@ def test_a_truncated_last_line_is_rejected(tmp_path: Path) -> None:
     ("content", "problem"),
     [
         (b"", "the file is empty"),
-        (b'{"schema": "purepp.effects/1"}\n\xff\n', "line 2: byte 31 is not UTF-8"),
+        # Read a line at a time: the bad byte is named where the reader meets it.
+        (b'{"seq": 0, "comm\xff": null}\n', "line 2: byte 16 of the line is not UTF-8"),
     ],
 )
 def test_unreadable_bytes_are_rejected(tmp_path: Path, content: bytes, problem: str) -> None:
     path = tmp_path / "rank.jsonl"
-    path.write_bytes(content)
+    path.write_bytes(content and header_json(HEADER).encode() + b"\n" + content)
     with pytest.raises(LogFormatError, match=problem):
         load_log(path)
 

@@ -7,7 +7,6 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from purepp.effects.log import Layout
 from purepp.effects.matching import (
     CollectiveKind,
     CollectiveReportError,
@@ -34,6 +33,7 @@ from purepp.effects.vocabulary import (
     Stream,
 )
 from purepp.errors import CollectiveMismatchError, InvalidInputError
+from purepp.layout import Layout
 from tests.strategies import collective_schedules
 
 ROWS = 4  # requests in every step's batch

@@ -14,9 +14,9 @@ from collections.abc import Iterable
 import pytest
 import torch
 
-from purepp.effects.log import Layout
 from purepp.effects.torch_interpreter import TorchInterpreter, build_communicators
 from purepp.effects.vocabulary import Effect, ScatterRows
+from purepp.layout import Layout
 from purepp.runner.loop import RankLoop, RankResult
 from purepp.runner.parity import ParityVerdict, check_parity
 from purepp.runner.settings import RunSettings

@@ -19,7 +19,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from purepp.effects.interpreter import Interpreter
-from purepp.effects.log import Layout
 from purepp.effects.matching import (
     CollectiveReportError,
     DeadlockReport,
@@ -57,6 +56,7 @@ from purepp.effects.vocabulary import (
     WorkRef,
 )
 from purepp.errors import CollectiveMismatchError, ConfigError, InterpreterError, InvalidInputError
+from purepp.layout import Layout
 
 Int64 = npt.NDArray[np.int64]
 

@@ -13,9 +13,10 @@ and the log checker, offline, over whole per-rank effect logs
 (`DeadlockReport`, `RingOverrunReport`) live here too, so every report a caller
 may receive is in one place, carried by `CollectiveReportError`.
 
-Communicator instances in a PP x DP world (`purepp.effects.log.Layout`: global
+Communicator instances in a PP x DP world (`purepp.layout.Layout`: global
 rank = dp_index * pp + pp_stage): PP_RELAY and PP_CPU groups are the stages of
-one DP replica; DP_CPU groups are the same stage across replicas.
+one DP replica; DP_CPU and DP_DRAFTER_CPU groups (two lanes over the same ranks)
+are the same stage across replicas.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from typing import TypeAlias, assert_never
 
 import attrs
 
-from purepp.effects.log import Layout
 from purepp.effects.vocabulary import (
     AllReduce,
     Broadcast,
@@ -38,6 +38,7 @@ from purepp.effects.vocabulary import (
     Stream,
 )
 from purepp.errors import CollectiveMismatchError, InvalidInputError
+from purepp.layout import Layout
 
 __all__ = [
     "AwaitedCollective",
@@ -65,7 +66,7 @@ def comm_group(world: Layout, rank: int, comm: Communicator) -> tuple[int, ...]:
     match comm:
         case Communicator.PP_RELAY | Communicator.PP_CPU:
             return world.pipeline(replica)
-        case Communicator.DP_CPU:
+        case Communicator.DP_CPU | Communicator.DP_DRAFTER_CPU:
             return world.replicas(stage)
         case _:
             assert_never(comm)

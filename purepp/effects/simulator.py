@@ -45,7 +45,6 @@ from typing import TypeAlias
 import attrs
 import numpy as np
 
-from purepp.effects.log import Layout
 from purepp.effects.matching import (
     AwaitedCollective,
     CollectiveReportError,
@@ -75,6 +74,7 @@ from purepp.effects.vocabulary import (
     WaitStream,
 )
 from purepp.errors import ConfigError, InvalidInputError
+from purepp.layout import Layout
 
 __all__ = ["RankContext", "RankProgram", "SimulationResult", "simulate"]
 

@@ -29,10 +29,10 @@ from purepp import dp
 from purepp.batch import need_sampled_mask
 from purepp.cudagraph import CaptureMode, CudaGraphDispatcher
 from purepp.effects.interpreter import Interpreter
-from purepp.effects.log import Layout
 from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.effects.vocabulary import BufferRef, DType, TensorSpec
 from purepp.errors import StaleTokenError
+from purepp.layout import Layout
 from purepp.relay import (
     DRAFT_TOKENS,
     IDX_MAPPING,

@@ -1,0 +1,76 @@
+"""Comparing effect logs: a readable first difference, for golden-log tests."""
+
+from __future__ import annotations
+
+from purepp.effects._converter import CONVERTER
+from purepp.effects.logfile import header_json, record_json
+from purepp.effects.logmodel import EffectLog, LogRecord
+
+__all__ = ["assert_logs_equal", "diff_logs"]
+
+
+def _differing_fields(expected: LogRecord, actual: LogRecord) -> list[str]:
+    want = CONVERTER.unstructure(expected, LogRecord)
+    got = CONVERTER.unstructure(actual, LogRecord)
+    fields = [key for key in ("seq", "comm_seq") if want[key] != got[key]]
+    if want["effect"]["kind"] != got["effect"]["kind"]:
+        return [*fields, "effect.kind"]
+    return fields + [
+        f"effect.{key}" for key in want["effect"] if want["effect"][key] != got["effect"][key]
+    ]
+
+
+def _diff_records(expected: EffectLog, actual: EffectLog, context: int) -> list[str]:
+    want, got = expected.records, actual.records
+    first = next(
+        (i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
+        min(len(want), len(got)),
+    )
+    if first == len(want) == len(got):
+        return []
+    text = [
+        f"effect logs differ at record {first} (file line {first + 2}); "
+        f"expected {len(want)} records, got {len(got)}:"
+    ]
+    text += [
+        f"    same     #{i}: {record_json(want[i])}" for i in range(max(0, first - context), first)
+    ]
+    if first < len(want):
+        text.append(f"  - expected #{first}: {record_json(want[first])}")
+    else:
+        text.append(f"  - expected: nothing (the expected log ends after {first} records)")
+    if first < len(got):
+        text.append(f"  + actual   #{first}: {record_json(got[first])}")
+    else:
+        text.append(f"  + actual:   nothing (the actual log ends after {first} records)")
+    if first < len(want) and first < len(got):
+        text.append(
+            f"  fields that differ: {', '.join(_differing_fields(want[first], got[first]))}"
+        )
+    return text
+
+
+def diff_logs(expected: EffectLog, actual: EffectLog, *, context: int = 3) -> str | None:
+    """None when the logs are equal; else a readable report for a golden-log test.
+
+    It shows a differing header, and the first differing record (rendered as its log
+    line) with the `context` records before it and the fields that differ.
+    """
+    if expected == actual:
+        return None
+    text: list[str] = []
+    if expected.header != actual.header:
+        text += [
+            "effect log headers differ (file line 1):",
+            f"  - expected: {header_json(expected.header)}",
+            f"  + actual:   {header_json(actual.header)}",
+        ]
+    return "\n".join(text + _diff_records(expected, actual, context))
+
+
+def assert_logs_equal(expected: EffectLog, actual: EffectLog, *, context: int = 3) -> None:
+    """Raise AssertionError carrying `diff_logs`' report when the logs differ."""
+    __tracebackhide__ = True  # pytest shows the caller's line, not this one
+    difference = diff_logs(expected, actual, context=context)
+    if difference is not None:
+        raise AssertionError(difference)

@@ -1,0 +1,77 @@
+"""The recorder: an interpreter that writes a flight-recorder log of what it is asked to do."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from purepp.effects._converter import EFFECT_CLASSES
+from purepp.effects.interpreter import Interpreter
+from purepp.effects.logfile import header_json, record_lines
+from purepp.effects.logmodel import EffectLog, LogHeader, LogRecord, Numbering
+from purepp.effects.vocabulary import Effect
+from purepp.errors import InvalidInputError
+
+__all__ = ["Recorder"]
+
+
+class Recorder:
+    """An interpreter that numbers and records every effect, then forwards it to `inner`.
+
+    Effects are recorded (and, with `path`, written and flushed) *before* `inner`
+    performs them, so when a run fails or hangs inside `inner` the log still ends
+    with the effects it was attempting: the flight-recorder reading of a hang.
+    With no `inner` it only records. With `path`, the file is at every moment a
+    valid log of what has been recorded, byte for byte what `dump_log(recorder.log)`
+    would write (a kill mid-write leaves a cut last line, which `purepp check` reads
+    up to the cut).
+    """
+
+    def __init__(
+        self,
+        header: LogHeader,
+        inner: Interpreter | None = None,
+        *,
+        path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if not isinstance(header, LogHeader):
+            raise InvalidInputError(
+                "Recorder", f"header is a {type(header).__name__}", "pass a LogHeader"
+            )
+        self._header = header
+        self._inner = inner
+        self._path = None if path is None else Path(path)
+        self._numbering = Numbering()
+        self._records: list[LogRecord] = []
+        if self._path is not None:
+            self._path.write_text(header_json(header) + "\n", encoding="ascii")
+
+    @property
+    def header(self) -> LogHeader:
+        return self._header
+
+    @property
+    def log(self) -> EffectLog:
+        """Everything recorded so far."""
+        return EffectLog(self._header, tuple(self._records))
+
+    def perform(self, effects: tuple[Effect, ...], /) -> None:
+        """Record `effects` in order, then have the inner interpreter perform them."""
+        for index, effect in enumerate(effects):
+            if not isinstance(effect, EFFECT_CLASSES):
+                raise InvalidInputError(
+                    "Recorder.perform",
+                    f"effects[{index}] is {effect!r}, not an effect",
+                    "pass a tuple of effects from purepp.effects.vocabulary",
+                )
+        # Numbered on a copy first, so a failure leaves the recorder as it was.
+        numbering = self._numbering.copy()
+        new_records = [numbering.number(effect) for effect in effects]
+        if self._path is not None:
+            lines = record_lines("Recorder.perform", new_records, len(self._records))
+            with self._path.open("a", encoding="ascii") as file:
+                file.write("".join(lines))
+        self._numbering = numbering
+        self._records.extend(new_records)
+        if self._inner is not None:
+            self._inner.perform(tuple(effects))

@@ -1,0 +1,25 @@
+"""Replay: feed a recorded log back through any interpreter, one decode step at a time."""
+
+from __future__ import annotations
+
+import itertools
+
+from purepp.effects.interpreter import Interpreter
+from purepp.effects.logmodel import EffectLog
+from purepp.errors import InvalidInputError
+
+__all__ = ["replay"]
+
+
+def replay(log: EffectLog, interpreter: Interpreter) -> None:
+    """Feed `log`'s effects through `interpreter`, one `perform` call per decode step.
+
+    A step is a run of consecutive records with the same `effect.step`, the batch a
+    pure step function returned. Replaying into a `Recorder` reproduces `log`.
+    """
+    if not isinstance(log, EffectLog):
+        raise InvalidInputError(
+            "replay", f"log is a {type(log).__name__}", "pass an EffectLog (e.g. from load_log)"
+        )
+    for _, records in itertools.groupby(log.records, key=lambda record: record.effect.step):
+        interpreter.perform(tuple(record.effect for record in records))

@@ -1,0 +1,79 @@
+"""The world of a run: how global ranks map onto pipeline stages and DP replicas.
+
+It sits at the bottom with the vocabulary and the errors, so the matcher, the
+simulator and the runner loop can name ranks without importing the effect log.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from purepp.errors import ConfigError
+
+__all__ = ["Layout"]
+
+
+def _at_least_one(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if type(value) is not int or value < 1:
+        raise ConfigError(
+            "Layout", f"{attribute.name} must be an integer >= 1, got {value!r}", "pass a size >= 1"
+        )
+
+
+@attrs.frozen
+class Layout:
+    """The world of a run: `dp` data-parallel replicas of a `pp`-stage pipeline.
+
+    Global rank = dp_index * pp + pp_stage: a replica's stages are consecutive ranks,
+    so rank 5 of pp=2, dp=4 is stage 1 of replica 2.
+    """
+
+    pp: int = attrs.field(validator=_at_least_one)  # pipeline stages per replica
+    dp: int = attrs.field(validator=_at_least_one)  # data-parallel replicas
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    def pp_stage(self, rank: int) -> int:
+        """The pipeline stage global `rank` runs (0 is the first stage)."""
+        return self._check_rank("Layout.pp_stage", rank) % self.pp
+
+    def dp_index(self, rank: int) -> int:
+        """The data-parallel replica global `rank` belongs to."""
+        return self._check_rank("Layout.dp_index", rank) // self.pp
+
+    def rank_of(self, *, pp_stage: int, dp_index: int) -> int:
+        """The global rank of stage `pp_stage` of replica `dp_index`."""
+        if not (0 <= pp_stage < self.pp and 0 <= dp_index < self.dp):
+            raise ConfigError(
+                "Layout.rank_of",
+                f"pp_stage={pp_stage}, dp_index={dp_index} is outside pp={self.pp}, dp={self.dp}",
+                f"pass 0 <= pp_stage < {self.pp} and 0 <= dp_index < {self.dp}",
+            )
+        return dp_index * self.pp + pp_stage
+
+    def pipeline(self, dp_index: int) -> tuple[int, ...]:
+        """Global ranks of replica `dp_index`'s stages, first stage first (PP groups)."""
+        return tuple(self.rank_of(pp_stage=s, dp_index=dp_index) for s in range(self.pp))
+
+    def replicas(self, pp_stage: int) -> tuple[int, ...]:
+        """Global ranks running stage `pp_stage` in every replica (DP groups)."""
+        return tuple(self.rank_of(pp_stage=pp_stage, dp_index=d) for d in range(self.dp))
+
+    @property
+    def pp_groups(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.pipeline(d) for d in range(self.dp))
+
+    @property
+    def dp_groups(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.replicas(s) for s in range(self.pp))
+
+    def _check_rank(self, call: str, rank: int) -> int:
+        if not 0 <= rank < self.world_size:
+            raise ConfigError(
+                call,
+                f"rank {rank} is outside a world of {self.world_size} (pp={self.pp}, dp={self.dp})",
+                f"pass a global rank in 0..{self.world_size - 1}",
+            )
+        return rank
