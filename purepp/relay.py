@@ -8,36 +8,46 @@ entry `ring_depth` steps later, when the activations of that step have come
 back round the pipeline. Rows whose request slot was freed in between are
 dropped: a per-slot generation counter, snapshot at receive time, tells.
 
-One decode step on a rank calls, in order:
+One decode step on a rank calls, in order (`purepp.rank` writes this order once):
 - non-last stage: `consume_previous_step`, (forward), `receive`, `end_step`;
 - last stage: (forward, sample) `broadcast_sampled`, `broadcast_drafts` when
-  speculating, `end_step`.
+  speculating on the seed's wire, `end_step`.
 `free_request_slot(s)` may be called at any point between steps.
 
-The caller binds its own tensors to the input references below (`SAMPLED_TOKENS`,
-...) before a step and reads the consumed outputs through the references in
-`ConsumedOutputs` until `end_step`.
+The caller's tensors are bound under the relay's own input names (`config.inputs`),
+so two relays on one interpreter never clash; consumed outputs are read through the
+names in `ConsumedOutputs` until `end_step`.
 
-With `RelayConfig.validate_header` (opt-in; off, the effects are the seed's call for
-call) the last stage's first broadcast of a step is a fixed-shape header, `relay_header`
-= [step, request count]; receivers post it first and check it on the device
-(`CheckHeader`) before posting the step's other receives. Its wire shape never changes,
-so a sender and receivers that disagree on the step or on the batch meet at the header
-and the mismatch is named there, instead of hanging or corrupting data at the next,
-differently shaped broadcast.
+Wire formats (`RelayConfig.wire`):
+- `Wire.SEED` (default): the seed's broadcasts call for call (tokens, counts, drafts).
+- `Wire.PACKED`: one int64 broadcast per step carrying every section (header, tokens,
+  counts, drafts), each aligned to 16 bytes (NCCL is slow on other sizes, and unaligned
+  slices made Triton compile new kernels at serving time).
+- `Wire.FIXED`: packed, with the rows padded up to a bucket (`RelayConfig.buckets`), and
+  sent every step: the need-sampled gating moves from the wire to the consume, so the
+  wire schedule depends only on configuration and the bucket, never on batch data. Rows
+  past the batch carry slot -1 at consume, so the apply kernel skips them.
+
+With `RelayConfig.validate_header` (opt-in) the sender's first section or broadcast of a
+step is `relay_header` = [step, request count]; receivers check it on the device
+(`CheckHeader`) before anything whose shape depends on the batch, so a sender and
+receivers that disagree on the step or on the batch are named there instead of hanging.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
+import operator
 from collections.abc import Mapping, Sequence
-from typing import TypedDict, TypeVar
+from typing import TypeVar
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
-from purepp.batch import BatchFacts, need_sampled_mask
-from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray, bool_array, int32_array, readonly
+from purepp.batch import BatchFacts
+from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray, frozen
 from purepp.effects.vocabulary import (
     Alias,
     Allocate,
@@ -52,14 +62,18 @@ from purepp.effects.vocabulary import (
     ForgetEvent,
     GatherRows,
     Op,
+    Pack,
     PadColumns,
     RecordEvent,
     RecordStream,
     Release,
     ScatterRows,
+    Section,
     StackRows,
     Stream,
+    Synchronize,
     TensorSpec,
+    Unpack,
     WaitEvent,
     WaitStream,
 )
@@ -67,16 +81,14 @@ from purepp.errors import ConfigError, InvalidInputError, WrongRankError
 from purepp.step import Step
 
 __all__ = [
-    "DRAFT_TOKENS",
     "HEADER_SHAPE",
-    "IDX_MAPPING",
-    "NUM_REJECTED",
-    "NUM_SAMPLED",
-    "SAMPLED_TOKENS",
     "ConsumedOutputs",
     "PendingReceive",
+    "Platform",
     "RelayConfig",
+    "RelayInputs",
     "RelayState",
+    "Wire",
     "broadcast_drafts",
     "broadcast_sampled",
     "consume_previous_step",
@@ -89,71 +101,142 @@ __all__ = [
     "relay_header",
 ]
 
-# The caller's tensors, bound under these names before the step that reads them.
-# A fresh tensor each step: the ring keeps a reference to it until consumed.
-IDX_MAPPING = BufferRef("input.idx_mapping")  # device [n] int32: batch row -> request slot
-SAMPLED_TOKENS = BufferRef("input.sampled_token_ids")  # last stage: [n, k] int64, k <= spec + 1
-NUM_SAMPLED = BufferRef("input.num_sampled")  # last stage: [n] int32
-NUM_REJECTED = BufferRef("input.num_rejected")  # last stage: [n] int32
-DRAFT_TOKENS = BufferRef("input.draft_tokens")  # last stage: [max_num_reqs, spec] int64 by slot
-
-HEADER_SHAPE = (2,)  # wire shape of the opt-in relay header: [step, request count] int32
+HEADER_SHAPE = (2,)  # shape of the opt-in relay header: [step, request count] int32
 
 # The header's step wraps: it is int32 on the wire, and a server may run past 2**31 steps.
 _HEADER_STEP_MODULUS = 2**31
+_ALIGN = 16  # bytes: every packed section starts on a 16-byte boundary
+_INT32_MAX = 2**31 - 1
 
 
-def _check_config(instance: RelayConfig) -> None:
+class Platform(enum.Enum):
+    """The device platform, for the seed's platform-specific behaviour."""
+
+    CUDA = "cuda"  # ring depth pp_size
+    XPU = "xpu"  # ring depth pp_size; the sender synchronises main before broadcasting
+    XPU_NO_MICROBATCH = "xpu_no_microbatch"  # as XPU, with a ring of depth 1
+
+
+class Wire(enum.Enum):
+    """How a step's relay data crosses the wire (see the module docstring)."""
+
+    SEED = "seed"  # the seed's separate broadcasts
+    PACKED = "packed"  # one aligned int64 broadcast per step
+    FIXED = "fixed"  # packed, rows padded to a bucket, sent every step
+
+
+@attrs.frozen
+class RelayInputs:
+    """The names this relay reads the caller's tensors from; bind them before the step."""
+
+    idx_mapping: BufferRef  # device [n] int32: batch row -> request slot (fresh each step)
+    sampled_tokens: BufferRef  # last stage: [n, k] int64, k <= spec + 1
+    num_sampled: BufferRef  # last stage: [n] int32
+    num_rejected: BufferRef  # last stage: [n] int32
+    # [max_num_reqs, spec] int64 by slot: the last stage's proposals, or the table other
+    # stages' consume writes the kept rows' drafts into
+    draft_table: BufferRef
+
+
+def _strict_int(call: str, name: str, value: object, low: int, high: int = _INT32_MAX) -> int:
+    """`value` if it is an int in low..high (bools, floats and strings are refused)."""
+    if type(value) is not int and not isinstance(value, np.integer):
+        raise ConfigError(
+            call, f"{name}={value!r} is a {type(value).__name__}", f"pass {name} as an int"
+        )
+    number = operator.index(value)
+    if not low <= number <= high:
+        raise ConfigError(call, f"{name}={number} is outside {low}..{high}", f"use {low}..{high}")
+    return number
+
+
+def _check_config(config: RelayConfig) -> None:
     call = "RelayConfig"
-    if instance.pp_size < 1:
-        raise ConfigError(call, f"pp_size={instance.pp_size}", "use a pipeline of at least 1 stage")
-    if not 0 <= instance.stage < instance.pp_size:
+    pp_size = _strict_int(call, "pp_size", config.pp_size, 1)
+    stage = _strict_int(call, "stage", config.stage, 0)
+    if stage >= pp_size:
         raise ConfigError(
             call,
-            f"stage={instance.stage} is outside 0..{instance.pp_size - 1}",
+            f"stage={stage} is outside 0..{pp_size - 1}",
             "pass this rank's index within its pipeline",
         )
-    if instance.last_rank < 0:
+    _strict_int(call, "last_rank", config.last_rank, 0)
+    _strict_int(call, "max_num_reqs", config.max_num_reqs, 1)
+    _strict_int(call, "num_speculative_steps", config.num_speculative_steps, 0, 1024)
+    for name, kind, value in (
+        ("platform", Platform, config.platform),
+        ("wire", Wire, config.wire),
+    ):
+        if not isinstance(value, kind):
+            raise ConfigError(
+                call, f"{name}={value!r}", f"pass a {kind.__name__} ({', '.join(kind.__members__)})"
+            )
+    if type(config.validate_header) is not bool:
+        raise ConfigError(call, f"validate_header={config.validate_header!r}", "pass True or False")
+    keys = config.aux_hidden_state_keys
+    if type(keys) is not tuple or not all(type(key) is str for key in keys):
         raise ConfigError(
-            call, f"last_rank={instance.last_rank}", "pass the last stage's global rank"
+            call, f"aux_hidden_state_keys={keys!r}", "pass a tuple of tensor names (str)"
         )
-    if instance.max_num_reqs < 1:
-        raise ConfigError(
-            call, f"max_num_reqs={instance.max_num_reqs}", "allow at least one request slot"
-        )
-    if instance.num_speculative_steps < 0:
+    if type(config.name) is not str or not config.name:
+        raise ConfigError(call, f"name={config.name!r}", "pass a non-empty name for this relay")
+    _check_buckets(config)
+
+
+def _check_buckets(config: RelayConfig) -> None:
+    call = "RelayConfig"
+    buckets = config.buckets
+    if config.wire is not Wire.FIXED:
+        if buckets:
+            raise ConfigError(
+                call, f"buckets={buckets} with wire={config.wire.value}", "buckets need Wire.FIXED"
+            )
+        return
+    if type(buckets) is not tuple or not buckets:
+        raise ConfigError(call, f"buckets={buckets!r}", "pass a non-empty tuple of row counts")
+    sizes = [_strict_int(call, "bucket", b, 1) for b in buckets]
+    if sizes != sorted(set(sizes)) or sizes[-1] < config.max_num_reqs:
         raise ConfigError(
             call,
-            f"num_speculative_steps={instance.num_speculative_steps}",
-            "use 0 (no speculation) or more",
-        )
-    if not 1 <= instance.ring_depth <= instance.pp_size:
-        raise ConfigError(
-            call,
-            f"ring_depth={instance.ring_depth} with pp_size={instance.pp_size}",
-            "use pp_size (one entry per in-flight step), or 1 without microbatching",
-        )
-    if type(instance.validate_header) is not bool:
-        raise ConfigError(
-            call, f"validate_header={instance.validate_header!r}", "pass True or False"
+            f"buckets={buckets} with max_num_reqs={config.max_num_reqs}",
+            "pass increasing row counts whose largest is at least max_num_reqs",
         )
 
 
-@attrs.frozen(kw_only=True)
+def default_buckets(max_num_reqs: int) -> tuple[int, ...]:
+    """Powers of two below `max_num_reqs`, then `max_num_reqs`: like CUDA-graph sizes."""
+    sizes = [1 << i for i in range(max_num_reqs.bit_length()) if 1 << i < max_num_reqs]
+    return (*sizes, max_num_reqs)
+
+
+@attrs.frozen(kw_only=True, cache_hash=True)
 class RelayConfig:
-    """Static configuration of one rank's relay; equal inputs on every stage but `stage`."""
+    """Static configuration of one rank's relay; equal on every stage but `stage`."""
 
     pp_size: int  # stages in the pipeline
     stage: int  # this rank's stage, 0..pp_size-1
     last_rank: int  # global rank of the last stage (the broadcast source)
     max_num_reqs: int  # request slots, the length of the generation table
     num_speculative_steps: int  # draft tokens per request; 0 without speculation
-    ring_depth: int  # steps between receive and consume: pp_size, or 1 without microbatching
+    platform: Platform = Platform.CUDA  # XPU synchronises before sending; may drop the ring
     aux_hidden_state_keys: tuple[str, ...] = ()  # intermediate tensors relayed to the next stage
     validate_header: bool = False  # send [step, n] first each step; receivers check it (opt-in)
+    wire: Wire = Wire.SEED  # how the step's data crosses the wire (opt-in packed formats)
+    buckets: tuple[int, ...] = ()  # Wire.FIXED: the row counts a step is padded up to
+    name: str = "relay"  # prefixes every name this relay makes or reads
+    inputs: RelayInputs = attrs.field(init=False, eq=False, repr=False)  # from `name`
 
     def __attrs_post_init__(self) -> None:
         _check_config(self)
+        prefix = f"{self.name}.input"
+        inputs = RelayInputs(
+            idx_mapping=BufferRef(f"{prefix}.idx_mapping"),
+            sampled_tokens=BufferRef(f"{prefix}.sampled_token_ids"),
+            num_sampled=BufferRef(f"{prefix}.num_sampled"),
+            num_rejected=BufferRef(f"{prefix}.num_rejected"),
+            draft_table=BufferRef(f"{prefix}.draft_table"),
+        )
+        object.__setattr__(self, "inputs", inputs)
 
     @classmethod
     def for_stage(
@@ -164,21 +247,35 @@ class RelayConfig:
         max_num_reqs: int,
         num_speculative_steps: int = 0,
         first_rank: int = 0,
-        microbatching: bool = True,
+        platform: Platform = Platform.CUDA,
         aux_hidden_state_keys: tuple[str, ...] = (),
         validate_header: bool = False,
+        wire: Wire = Wire.SEED,
+        buckets: tuple[int, ...] | None = None,
+        name: str = "relay",
     ) -> RelayConfig:
         """The configuration of `stage` in a pipeline whose stages are global ranks
-        `first_rank .. first_rank + pp_size - 1`."""
+        `first_rank .. first_rank + pp_size - 1`. `buckets` defaults to
+        `default_buckets(max_num_reqs)` on the fixed wire."""
+        call = "RelayConfig.for_stage"
+        first = _strict_int(call, "first_rank", first_rank, 0)
+        size = _strict_int(call, "pp_size", pp_size, 1)
+        if buckets is None:
+            fixed = wire is Wire.FIXED
+            requests = _strict_int(call, "max_num_reqs", max_num_reqs, 1)
+            buckets = default_buckets(requests) if fixed else ()
         return cls(
-            pp_size=pp_size,
+            pp_size=size,
             stage=stage,
-            last_rank=first_rank + pp_size - 1,
+            last_rank=first + size - 1,
             max_num_reqs=max_num_reqs,
             num_speculative_steps=num_speculative_steps,
-            ring_depth=pp_size if microbatching else 1,
+            platform=platform,
             aux_hidden_state_keys=aux_hidden_state_keys,
             validate_header=validate_header,
+            wire=wire,
+            buckets=buckets,
+            name=name,
         )
 
     @property
@@ -186,9 +283,25 @@ class RelayConfig:
         return self.stage == self.pp_size - 1
 
     @property
+    def ring_depth(self) -> int:
+        """Steps between receive and consume: pp_size, or 1 on XPU without microbatching."""
+        return 1 if self.platform is Platform.XPU_NO_MICROBATCH else self.pp_size
+
+    @property
     def max_sample_len(self) -> int:
         """Wire width of sampled tokens: fixed, so sender and receivers always agree."""
         return self.num_speculative_steps + 1
+
+    def wire_rows(self, num_reqs: int) -> int:
+        """Rows on the wire for a batch of `num_reqs`: itself, or its bucket (fixed wire)."""
+        if self.wire is not Wire.FIXED:
+            return num_reqs
+        return _bucket(self.buckets, num_reqs)
+
+
+@functools.cache
+def _bucket(buckets: tuple[int, ...], num_reqs: int) -> int:
+    return next(size for size in buckets if size >= num_reqs)
 
 
 @attrs.frozen(kw_only=True)
@@ -197,31 +310,26 @@ class PendingReceive:
 
     step: int  # the step whose sampled tokens these are
     event: EventRef  # recorded on the relay stream after the receives
-    sampled_tokens: BufferRef  # [n, spec + 1] int64
-    counts: BufferRef  # [2, n] int32: num_sampled, num_rejected
-    draft_tokens: BufferRef | None  # [n, spec] int64, or None without speculation
-    idx_mapping: BufferRef  # the step's device slot mapping, kept alive until consumed
-    # the same on the host
-    idx_mapping_np: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
-    # rows that produced a token
-    need_sampled: BoolArray = attrs.field(converter=bool_array, eq=ARRAY_EQ, hash=False)
-    # slot generations when received
-    generations: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
-
-    @property
-    def buffers(self) -> tuple[BufferRef, ...]:
-        drafts = () if self.draft_tokens is None else (self.draft_tokens,)
-        return (self.sampled_tokens, self.counts, *drafts, self.idx_mapping)
+    sampled_tokens: BufferRef  # [rows, spec + 1] int64
+    num_sampled: BufferRef  # [rows] int32
+    num_rejected: BufferRef  # [rows] int32
+    draft_tokens: BufferRef | None  # [rows, spec] int64, or None without speculation
+    idx_mapping: BufferRef | None  # the step's device slot mapping; None on the fixed wire
+    buffers: tuple[BufferRef, ...]  # every name the entry holds, released at consume
+    idx_mapping_np: IntArray = attrs.field(eq=ARRAY_EQ)  # the slot mapping on the host
+    # rows that produced a token (None: none did; only the fixed wire posts such a step)
+    need_sampled: BoolArray | None = attrs.field(eq=ARRAY_EQ)
+    generations: IntArray = attrs.field(eq=ARRAY_EQ)  # slot generations when received
+    rows: int  # wire rows: the batch's, or its bucket on the fixed wire
 
 
 @attrs.frozen(kw_only=True)
 class RelayState:
-    """The relay's state on one rank."""
+    """The relay's state on one rank. Build it with `init_relay`; steps return new ones."""
 
     step: int  # current decode step; names every buffer and event deterministically
     ring: tuple[PendingReceive | None, ...]  # oldest first; None = nothing pending that step
-    # per-slot count of frees
-    generations: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
+    generations: IntArray = attrs.field(eq=ARRAY_EQ)  # per-slot count of frees, immutable
     to_release: tuple[BufferRef, ...] = ()  # buffers this step no longer needs after it ends
 
 
@@ -230,30 +338,11 @@ class ConsumedOutputs:
     """What `consume_previous_step` hands back; the buffers stay valid until `end_step`."""
 
     received_at_step: int  # the step that sampled these tokens
-    sampled_tokens: BufferRef  # [n, spec + 1] int64
-    counts: BufferRef  # [2, n] int32: row 0 num_sampled, row 1 num_rejected
-    idx_mapping: BufferRef  # [n] int32 slot per row, -1 for rows to skip
-    # the same on the host
-    idx_mapping_np: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
-
-
-class _Tag(TypedDict):
-    step: int
-    op: Op
-
-
-class _Wire(TypedDict):
-    src: int
-    comm: Communicator
-    stream: Stream
-
-
-def _wire(config: RelayConfig) -> _Wire:
-    return _Wire(src=config.last_rank, comm=Communicator.PP_RELAY, stream=Stream.RELAY)
-
-
-def _name(state: RelayState, what: str) -> str:
-    return f"relay.step{state.step}.{what}"
+    sampled_tokens: BufferRef  # [rows, spec + 1] int64
+    num_sampled: BufferRef  # [rows] int32
+    num_rejected: BufferRef  # [rows] int32
+    idx_mapping: BufferRef  # [rows] int32 slot per row, -1 for rows to skip
+    idx_mapping_np: IntArray = attrs.field(eq=ARRAY_EQ)  # the same on the host
 
 
 def relay_header(step: int, num_reqs: int) -> IntArray:
@@ -262,7 +351,8 @@ def relay_header(step: int, num_reqs: int) -> IntArray:
     The last stage sends it; each receiver expects it from its own step counter and
     batch, so both sides compute it from the facts they must already share.
     """
-    return int32_array([step % _HEADER_STEP_MODULUS, num_reqs])
+    out: IntArray = frozen(np.array([step % _HEADER_STEP_MODULUS, num_reqs], dtype=np.int32))
+    return out
 
 
 def init_relay(config: RelayConfig) -> RelayState:
@@ -271,18 +361,49 @@ def init_relay(config: RelayConfig) -> RelayState:
     The last stage keeps no ring. Other stages pre-seed the ring with
     `ring_depth` empty entries, so the first `ring_depth` consumes are no-ops.
     """
+    _check_config_type("init_relay", config)
     ring: tuple[PendingReceive | None, ...] = (
         () if config.is_last_stage else (None,) * config.ring_depth
     )
-    return RelayState(step=0, ring=ring, generations=np.zeros(config.max_num_reqs, dtype=np.int32))
+    generations = frozen(np.zeros(config.max_num_reqs, dtype=np.int32))
+    return RelayState(step=0, ring=ring, generations=generations)
+
+
+def _check_config_type(call: str, config: object) -> None:
+    if type(config) is not RelayConfig:
+        raise ConfigError(
+            call, f"config is {type(config).__name__}", "pass the RelayConfig of this relay"
+        )
+
+
+def _check_state(call: str, config: RelayConfig, state: object) -> RelayState:
+    """The boundary check of every step: the right types, and a state of this config."""
+    if type(config) is not RelayConfig or type(state) is not RelayState:
+        _check_config_type(call, config)
+        raise InvalidInputError(
+            call, f"state is {type(state).__name__}", "pass the RelayState returned by init_relay"
+        )
+    depth = 0 if config.is_last_stage else config.ring_depth
+    if state.generations.shape[0] != config.max_num_reqs or len(state.ring) != depth:
+        raise InvalidInputError(
+            call,
+            f"state has {state.generations.shape[0]} slots and a ring of {len(state.ring)}, "
+            f"config has max_num_reqs={config.max_num_reqs} and a ring of {depth}",
+            "pass the state made by init_relay(config) for this same config",
+        )
+    return state
 
 
 def end_step(config: RelayConfig, state: RelayState) -> Step[RelayState, None]:
     """Close the current step: release what it no longer needs and advance the counter."""
+    _check_state("end_step", config, state)
+    step = state.step
     effects = tuple(
-        Release(step=state.step, op=Op.END_STEP, buffer=buffer) for buffer in state.to_release
+        Release(step=step, op=Op.END_STEP, buffer=buffer) for buffer in state.to_release
     )
-    return Step(attrs.evolve(state, step=state.step + 1, to_release=()), effects, None)
+    return Step(
+        RelayState(step=step + 1, ring=state.ring, generations=state.generations), effects, None
+    )
 
 
 def free_request_slot(config: RelayConfig, state: RelayState, slot: int) -> Step[RelayState, None]:
@@ -294,28 +415,40 @@ def free_request_slots(
     config: RelayConfig, state: RelayState, slots: Sequence[int] | npt.NDArray[np.integer]
 ) -> Step[RelayState, None]:
     """Bump the generation of every slot in `slots` (once per occurrence)."""
+    call = "free_request_slots"
+    _check_state(call, config, state)
     given = np.asarray(slots)
+    if not given.size:
+        return Step(state, (), None)
     # A float would be truncated and a bool mask read as slots 0/1: both free the wrong slot.
-    if given.size and not np.issubdtype(given.dtype, np.integer):
+    if given.dtype == np.bool_ or not np.issubdtype(given.dtype, np.integer):
         raise InvalidInputError(
-            "free_request_slots",
-            f"slots {given.tolist()} are {given.dtype}",
-            "pass integer slot indices",
+            call, f"slots {given.tolist()} are {given.dtype}", "pass integer slot indices"
         )
-    indices = given.astype(np.int64).reshape(-1)
+    indices = given.reshape(-1)
     bad = indices[(indices < 0) | (indices >= config.max_num_reqs)]
     if bad.size:
         raise InvalidInputError(
-            "free_request_slots",
+            call,
             f"slot {int(bad[0])} is outside 0..{config.max_num_reqs - 1}",
             "free only slots below max_num_reqs",
         )
     generations = state.generations.copy()
-    np.add.at(generations, indices, 1)
-    return Step(attrs.evolve(state, generations=generations), (), None)
+    np.add.at(generations, indices.astype(np.intp), 1)
+    new_state = RelayState(
+        step=state.step,
+        ring=state.ring,
+        generations=frozen(generations),
+        to_release=state.to_release,
+    )
+    return Step(new_state, (), None)
 
 
 def _check_batch(call: str, config: RelayConfig, batch: BatchFacts) -> None:
+    if type(batch) is not BatchFacts:
+        raise InvalidInputError(
+            call, f"batch is {type(batch).__name__}", "pass the step's BatchFacts"
+        )
     if batch.num_reqs and int(batch.idx_mapping.max()) >= config.max_num_reqs:
         raise InvalidInputError(
             call,
@@ -335,250 +468,637 @@ def _require_stage(call: str, config: RelayConfig, *, last: bool) -> None:
         )
 
 
+# ---- the packed wire's layout -------------------------------------------------------------
+
+
+@attrs.frozen
+class _Layout:
+    """Byte offsets of a packed step's sections; every one 16-byte aligned."""
+
+    header: int
+    tokens: int
+    num_sampled: int
+    num_rejected: int
+    drafts: int
+    nbytes: int
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+@functools.cache
+def _packed_layout(rows: int, spec: int, header: bool) -> _Layout:
+    offset = 0
+    sizes = (
+        8 if header else 0,  # [2] int32
+        rows * (spec + 1) * 8,  # [rows, spec + 1] int64
+        rows * 4,  # [rows] int32
+        rows * 4,  # [rows] int32
+        rows * spec * 8,  # [rows, spec] int64
+    )
+    starts = []
+    for size in sizes:
+        starts.append(offset)
+        offset += _aligned(size)
+    header_at, tokens, num_sampled, num_rejected, drafts = starts
+    return _Layout(header_at, tokens, num_sampled, num_rejected, drafts, max(offset, _ALIGN))
+
+
+def _names(config: RelayConfig, step: int, *what: str) -> list[BufferRef]:
+    prefix = f"{config.name}.step{step}."
+    return [BufferRef(prefix + w) for w in what]
+
+
+# ---- receive ------------------------------------------------------------------------------
+
+
 def receive(config: RelayConfig, state: RelayState, batch: BatchFacts) -> Step[RelayState, bool]:
     """Post this step's receives (non-last stages) into the ring's newest entry.
 
     The result is True iff every row of the batch needs its sampled token, so
     the caller may gather from all requests. With `validate_header`, the first
-    receive is the sender's `relay_header`, checked on the relay stream against this
-    rank's own step and request count before the step's other receives.
+    thing received is the sender's `relay_header`, checked on the relay stream against
+    this rank's own step and request count before anything shaped by the batch.
     """
     call = "receive"
+    _check_state(call, config, state)
     _require_stage(call, config, last=False)
     _check_batch(call, config, batch)
-    if state.ring[-1] is not None:
+    newest = state.ring[-1]
+    if newest is not None:
         raise InvalidInputError(
             call,
-            f"the ring's newest entry still holds step {state.ring[-1].step}",
+            f"the ring's newest entry still holds step {newest.step}",
             "call consume_previous_step once per step before receive",
         )
-    mask = need_sampled_mask(batch)
-    if mask is None:
+    mask = batch.sampled_mask
+    if mask is None and config.wire is not Wire.FIXED:
         # The last stage skips its broadcasts too: leave the reserved entry empty.
         return Step(state, (), False)
+    if config.wire is Wire.SEED:
+        effects, pending = _receive_seed(config, state, batch, mask)
+    else:
+        effects, pending = _receive_packed(config, state, batch, mask)
+    new_state = RelayState(
+        step=state.step,
+        ring=(*state.ring[:-1], pending),
+        generations=state.generations,
+        to_release=state.to_release,
+    )
+    return Step(new_state, effects, mask is not None and bool(mask.all()))
 
+
+def _receive_seed(
+    config: RelayConfig, state: RelayState, batch: BatchFacts, mask: BoolArray | None
+) -> tuple[tuple[Effect, ...], PendingReceive]:
+    step = state.step
+    op = Op.RECEIVE
     n = batch.num_reqs
     spec = config.num_speculative_steps
-    relay = _Tag(step=state.step, op=Op.RECEIVE)
-    wire = _wire(config)
-    sampled = BufferRef(_name(state, "sampled_tokens"))
-    counts = BufferRef(_name(state, "counts"))
-    drafts = BufferRef(_name(state, "draft_tokens")) if spec > 0 else None
-    event = EventRef(_name(state, "received"))
-    idx_mapping = BufferRef(_name(state, "idx_mapping"))
-
+    src = config.last_rank
+    comm = Communicator.PP_RELAY
+    relay = Stream.RELAY
+    sampled, counts, num_sampled, num_rejected, idx_mapping = _names(
+        config, step, "sampled_tokens", "counts", "num_sampled", "num_rejected", "idx_mapping"
+    )
+    event = EventRef(f"{config.name}.step{step}.received")
     sampled_shape = (n, config.max_sample_len)
-    effects: list[Effect] = [
-        # Receives start only after the main stream's queued work, as the sends do.
-        WaitStream(**relay, stream=Stream.RELAY, waits_for=Stream.MAIN)
-    ]
-    done_with: tuple[BufferRef, ...] = ()
+    # Receives start only after the main stream's queued work, as the sends do.
+    effects: list[Effect] = [WaitStream(step=step, op=op, stream=relay, waits_for=Stream.MAIN)]
+    header: tuple[BufferRef, ...] = ()
     if config.validate_header:
-        # The check runs on the relay stream ahead of every receive whose shape depends
-        # on n; only that stream uses the header, so it is released at this step's end.
-        header = BufferRef(_name(state, "header"))
+        # Checked on the relay stream ahead of every receive whose shape depends on n.
+        header = (BufferRef(f"{config.name}.step{step}.header"),)
         effects += [
             Allocate(
-                **relay, buffer=header, shape=HEADER_SHAPE, dtype=DType.INT32, stream=Stream.RELAY
+                step=step,
+                op=op,
+                buffer=header[0],
+                shape=HEADER_SHAPE,
+                dtype=DType.INT32,
+                stream=relay,
             ),
-            Broadcast(**relay, **wire, buffer=header, shape=HEADER_SHAPE, dtype=DType.INT32),
+            Broadcast(
+                step=step,
+                op=op,
+                buffer=header[0],
+                shape=HEADER_SHAPE,
+                dtype=DType.INT32,
+                src=src,
+                comm=comm,
+                stream=relay,
+            ),
             CheckHeader(
-                **relay,
-                buffer=header,
-                expected=relay_header(state.step, n),
-                stream=Stream.RELAY,
+                step=step, op=op, buffer=header[0], expected=relay_header(step, n), stream=relay
             ),
         ]
-        done_with = (header,)
     effects += [
         Allocate(
-            **relay, buffer=sampled, shape=sampled_shape, dtype=DType.INT64, stream=Stream.RELAY
+            step=step, op=op, buffer=sampled, shape=sampled_shape, dtype=DType.INT64, stream=relay
         ),
-        Allocate(**relay, buffer=counts, shape=(2, n), dtype=DType.INT32, stream=Stream.RELAY),
-        Broadcast(**relay, **wire, buffer=sampled, shape=sampled_shape, dtype=DType.INT64),
-        Broadcast(**relay, **wire, buffer=counts, shape=(2, n), dtype=DType.INT32),
+        Allocate(step=step, op=op, buffer=counts, shape=(2, n), dtype=DType.INT32, stream=relay),
+        Broadcast(
+            step=step,
+            op=op,
+            buffer=sampled,
+            shape=sampled_shape,
+            dtype=DType.INT64,
+            src=src,
+            comm=comm,
+            stream=relay,
+        ),
+        Broadcast(
+            step=step,
+            op=op,
+            buffer=counts,
+            shape=(2, n),
+            dtype=DType.INT32,
+            src=src,
+            comm=comm,
+            stream=relay,
+        ),
     ]
-    if drafts is not None:
+    drafts = None
+    if spec:
+        drafts = BufferRef(f"{config.name}.step{step}.draft_tokens")
         effects += [
             Allocate(
-                **relay, buffer=drafts, shape=(n, spec), dtype=DType.INT64, stream=Stream.RELAY
+                step=step, op=op, buffer=drafts, shape=(n, spec), dtype=DType.INT64, stream=relay
             ),
-            Broadcast(**relay, **wire, buffer=drafts, shape=(n, spec), dtype=DType.INT64),
+            Broadcast(
+                step=step,
+                op=op,
+                buffer=drafts,
+                shape=(n, spec),
+                dtype=DType.INT64,
+                src=src,
+                comm=comm,
+                stream=relay,
+            ),
         ]
-    effects.append(RecordEvent(**relay, stream=Stream.RELAY, event=event))
+    effects.append(RecordEvent(step=step, op=op, stream=relay, event=event))
+    # The counts' two rows, as views (the seed's unbind): no copy, no kernel.
+    effects.append(
+        Unpack(
+            step=step,
+            op=op,
+            source=counts,
+            stream=Stream.MAIN,
+            sections=(
+                Section(buffer=num_sampled, offset=0, shape=(n,), dtype=DType.INT32),
+                Section(buffer=num_rejected, offset=4 * n, shape=(n,), dtype=DType.INT32),
+            ),
+        )
+    )
     # Allocated on the relay stream but read on main at consume: keep them alive for it.
     received = (sampled, counts) if drafts is None else (sampled, counts, drafts)
-    effects += [RecordStream(**relay, buffer=b, stream=Stream.MAIN) for b in received]
-    effects.append(Alias(**relay, source=IDX_MAPPING, out=idx_mapping))
-
+    effects += [RecordStream(step=step, op=op, buffer=b, stream=Stream.MAIN) for b in received]
+    effects.append(Alias(step=step, op=op, source=config.inputs.idx_mapping, out=idx_mapping))
     pending = PendingReceive(
-        step=state.step,
+        step=step,
         event=event,
         sampled_tokens=sampled,
-        counts=counts,
+        num_sampled=num_sampled,
+        num_rejected=num_rejected,
         draft_tokens=drafts,
         idx_mapping=idx_mapping,
+        buffers=(*header, *received, num_sampled, num_rejected, idx_mapping),
         idx_mapping_np=batch.idx_mapping,
         need_sampled=mask,
         # Snapshot, so a free of any of these slots before consume is detectable.
-        generations=state.generations[batch.idx_mapping],
+        generations=frozen(state.generations[batch.idx_mapping]),
+        rows=n,
     )
-    new_state = attrs.evolve(
-        state, ring=(*state.ring[:-1], pending), to_release=(*state.to_release, *done_with)
+    return tuple(effects), pending
+
+
+def _receive_packed(
+    config: RelayConfig, state: RelayState, batch: BatchFacts, mask: BoolArray | None
+) -> tuple[tuple[Effect, ...], PendingReceive]:
+    step = state.step
+    op = Op.RECEIVE
+    n = batch.num_reqs
+    rows = config.wire_rows(n)
+    spec = config.num_speculative_steps
+    layout = _packed_layout(rows, spec, config.validate_header)
+    relay = Stream.RELAY
+    wire, sampled, num_sampled, num_rejected = _names(
+        config, step, "wire", "sampled_tokens", "num_sampled", "num_rejected"
     )
-    return Step(new_state, tuple(effects), bool(mask.all()))
+    event = EventRef(f"{config.name}.step{step}.received")
+    words = (layout.nbytes // 8,)
+    effects: list[Effect] = [
+        WaitStream(step=step, op=op, stream=relay, waits_for=Stream.MAIN),
+        Allocate(step=step, op=op, buffer=wire, shape=words, dtype=DType.INT64, stream=relay),
+        Broadcast(
+            step=step,
+            op=op,
+            buffer=wire,
+            shape=words,
+            dtype=DType.INT64,
+            src=config.last_rank,
+            comm=Communicator.PP_RELAY,
+            stream=relay,
+        ),
+    ]
+    names: list[BufferRef] = [wire]
+    if config.validate_header:
+        header = BufferRef(f"{config.name}.step{step}.header")
+        names.append(header)
+        effects += [
+            Unpack(
+                step=step,
+                op=op,
+                source=wire,
+                stream=relay,
+                sections=(Section(buffer=header, offset=0, shape=HEADER_SHAPE, dtype=DType.INT32),),
+            ),
+            CheckHeader(
+                step=step, op=op, buffer=header, expected=relay_header(step, n), stream=relay
+            ),
+        ]
+    effects.append(RecordEvent(step=step, op=op, stream=relay, event=event))
+    sections = [
+        Section(buffer=sampled, offset=layout.tokens, shape=(rows, spec + 1), dtype=DType.INT64),
+        Section(buffer=num_sampled, offset=layout.num_sampled, shape=(rows,), dtype=DType.INT32),
+        Section(buffer=num_rejected, offset=layout.num_rejected, shape=(rows,), dtype=DType.INT32),
+    ]
+    drafts = None
+    if spec:
+        drafts = BufferRef(f"{config.name}.step{step}.draft_tokens")
+        sections.append(
+            Section(buffer=drafts, offset=layout.drafts, shape=(rows, spec), dtype=DType.INT64)
+        )
+    effects += [
+        Unpack(step=step, op=op, source=wire, stream=Stream.MAIN, sections=tuple(sections)),
+        # Allocated on the relay stream, read on main at consume; the views share its memory.
+        RecordStream(step=step, op=op, buffer=wire, stream=Stream.MAIN),
+    ]
+    names += [s.buffer for s in sections]
+    idx_mapping = None
+    if config.wire is Wire.PACKED:
+        idx_mapping = BufferRef(f"{config.name}.step{step}.idx_mapping")
+        effects.append(Alias(step=step, op=op, source=config.inputs.idx_mapping, out=idx_mapping))
+        names.append(idx_mapping)
+    pending = PendingReceive(
+        step=step,
+        event=event,
+        sampled_tokens=sampled,
+        num_sampled=num_sampled,
+        num_rejected=num_rejected,
+        draft_tokens=drafts,
+        idx_mapping=idx_mapping,
+        buffers=tuple(names),
+        idx_mapping_np=batch.idx_mapping,
+        need_sampled=mask,
+        generations=frozen(state.generations[batch.idx_mapping]),
+        rows=rows,
+    )
+    return tuple(effects), pending
+
+
+# ---- consume ------------------------------------------------------------------------------
 
 
 def consume_previous_step(
-    config: RelayConfig, state: RelayState, drafts_target: BufferRef | None = None
+    config: RelayConfig, state: RelayState, *, update_drafts: bool = False
 ) -> Step[RelayState, ConsumedOutputs | None]:
     """Pop the oldest ring entry, reserve the newest, and hand out what is still wanted.
 
     Rows whose slot was freed since the receive, or that produced no token, get
-    slot -1 (the apply kernel skips them). None when there is nothing to apply.
-    With `drafts_target` (a [max_num_reqs, spec] int64 table bound by the
-    caller), the kept rows' draft tokens are written into it.
+    slot -1 (the apply kernel skips them); so do the padding rows of the fixed wire.
+    None when there is nothing to apply. With `update_drafts`, the kept rows' draft
+    tokens are written into the caller's [max_num_reqs, spec] int64 table bound to
+    `config.inputs.draft_table`.
     """
+    _check_state("consume_previous_step", config, state)
     if not state.ring:
         return Step(state, (), None)
     oldest = state.ring[0]
     # Reserve this step's entry; `receive` fills it if a broadcast happens.
-    popped = attrs.evolve(state, ring=(*state.ring[1:], None))
+    ring = (*state.ring[1:], None)
     if oldest is None:
+        popped = RelayState(
+            step=state.step, ring=ring, generations=state.generations, to_release=state.to_release
+        )
         return Step(popped, (), None)
 
-    relay = _Tag(step=state.step, op=Op.CONSUME)
-    released = popped.to_release + oldest.buffers
-    freed = state.generations[oldest.idx_mapping_np] != oldest.generations
-    exclude = freed | ~oldest.need_sampled
+    step = state.step
+    op = Op.CONSUME
+    released = state.to_release + oldest.buffers
+    slots = oldest.idx_mapping_np
+    n = slots.shape[0]
+    exclude = state.generations[slots] != oldest.generations
+    if oldest.need_sampled is None:
+        exclude[:] = True
+    else:
+        exclude |= ~oldest.need_sampled
     if exclude.all():
         # No request wants these tokens any more; nothing waits on the receive, so its
         # event is dropped unwaited (the seed lets the entry be garbage-collected).
-        forget = ForgetEvent(**relay, event=oldest.event)
-        return Step(attrs.evolve(popped, to_release=released), (forget,), None)
+        forget = ForgetEvent(step=step, op=op, event=oldest.event)
+        dropped = RelayState(
+            step=step, ring=ring, generations=state.generations, to_release=released
+        )
+        return Step(dropped, (forget,), None)
 
     effects: list[Effect] = []
     idx_mapping = oldest.idx_mapping
-    idx_mapping_np = oldest.idx_mapping_np
-    if exclude.any():
-        idx_mapping_np = readonly(np.where(exclude, -1, oldest.idx_mapping_np), np.int32)
-        idx_mapping = BufferRef(_name(state, "idx_mapping_filtered"))
+    idx_mapping_np = slots
+    if idx_mapping is None or exclude.any():
+        # The padding rows of the fixed wire, and the dropped rows, read slot -1.
+        filtered = np.full(oldest.rows, -1, dtype=np.int32)
+        filtered[:n] = np.where(exclude, -1, slots)
+        idx_mapping_np = frozen(filtered)
+        idx_mapping = BufferRef(f"{config.name}.step{step}.idx_mapping_filtered")
         effects.append(
-            CopyHostToDevice(**relay, source=idx_mapping_np, buffer=idx_mapping, stream=Stream.MAIN)
+            CopyHostToDevice(
+                step=step, op=op, source=idx_mapping_np, buffer=idx_mapping, stream=Stream.MAIN
+            )
         )
         released += (idx_mapping,)
-    effects.append(WaitEvent(**relay, stream=Stream.MAIN, event=oldest.event))
-    if oldest.draft_tokens is not None and drafts_target is not None:
+    effects.append(WaitEvent(step=step, op=op, stream=Stream.MAIN, event=oldest.event))
+    if oldest.draft_tokens is not None and update_drafts:
         effects.append(
             ScatterRows(
-                **relay,
+                step=step,
+                op=op,
                 source=oldest.draft_tokens,
                 index=idx_mapping,
-                target=drafts_target,
+                target=config.inputs.draft_table,
                 stream=Stream.MAIN,
             )
         )
     outputs = ConsumedOutputs(
         received_at_step=oldest.step,
         sampled_tokens=oldest.sampled_tokens,
-        counts=oldest.counts,
+        num_sampled=oldest.num_sampled,
+        num_rejected=oldest.num_rejected,
         idx_mapping=idx_mapping,
         idx_mapping_np=idx_mapping_np,
     )
-    return Step(attrs.evolve(popped, to_release=released), tuple(effects), outputs)
+    new_state = RelayState(step=step, ring=ring, generations=state.generations, to_release=released)
+    return Step(new_state, tuple(effects), outputs)
 
 
-def _check_int64_2d(call: str, name: str, spec: TensorSpec) -> None:
-    if spec.dtype is not DType.INT64 or len(spec.shape) != 2:
+# ---- the last stage -----------------------------------------------------------------------
+
+
+def _check_int64_2d(call: str, name: str, spec: TensorSpec) -> tuple[int, int]:
+    if type(spec) is not TensorSpec or spec.dtype is not DType.INT64 or len(spec.shape) != 2:
+        raise InvalidInputError(
+            call, f"{name} is {spec!r}", f"pass {name} as a 2-D int64 tensor's TensorSpec"
+        )
+    rows, width = spec.shape
+    return rows, width
+
+
+def _check_drafts(call: str, config: RelayConfig, drafts: TensorSpec) -> None:
+    rows, width = _check_int64_2d(call, "draft tokens", drafts)
+    if width != config.num_speculative_steps or rows < config.max_num_reqs:
         raise InvalidInputError(
             call,
-            f"{name} is {spec.dtype.value} of shape {spec.shape}",
-            f"pass {name} as a 2-D int64 tensor",
+            f"draft tokens have shape {drafts.shape}",
+            f"pass the [max_num_reqs={config.max_num_reqs}, {config.num_speculative_steps}] "
+            "draft table",
         )
 
 
 def broadcast_sampled(
-    config: RelayConfig, state: RelayState, batch: BatchFacts, sampled: TensorSpec
+    config: RelayConfig,
+    state: RelayState,
+    batch: BatchFacts,
+    sampled: TensorSpec,
+    drafts: TensorSpec | None = None,
 ) -> Step[RelayState, bool]:
     """Send this step's sampled tokens and counts to every other stage (last stage).
 
-    `sampled` describes the tensor bound to SAMPLED_TOKENS; it is padded to the
-    fixed wire width spec + 1, because a plain-sampler step produces [n, 1]
-    while receivers always post [n, spec + 1] (a width mismatch hangs NCCL).
-    With `validate_header`, `relay_header(step, n)` goes first (see `receive`).
-    The result says whether anything was sent.
+    `sampled` describes the tensor bound to `config.inputs.sampled_tokens`; it is padded
+    to the fixed wire width spec + 1, because a plain-sampler step produces [n, 1] while
+    receivers always post [n, spec + 1] (a width mismatch hangs NCCL). On the packed
+    wires the drafts travel in the same broadcast: pass `drafts`, the draft table bound to
+    `config.inputs.draft_table`, when speculating (on the seed's wire, call
+    `broadcast_drafts` instead). The result says whether anything was sent.
     """
     call = "broadcast_sampled"
+    _check_state(call, config, state)
     _require_stage(call, config, last=True)
     _check_batch(call, config, batch)
-    _check_int64_2d(call, "sampled tokens", sampled)
-    rows, width = sampled.shape
+    rows, width = _check_int64_2d(call, "sampled tokens", sampled)
     if rows != batch.num_reqs or not 1 <= width <= config.max_sample_len:
         raise InvalidInputError(
             call,
             f"sampled tokens have shape {sampled.shape} for a batch of {batch.num_reqs} rows",
             f"pass [num_reqs, k] with 1 <= k <= spec + 1 = {config.max_sample_len}",
         )
-    if need_sampled_mask(batch) is None:
+    packed = config.wire is not Wire.SEED
+    if packed and config.num_speculative_steps:
+        if drafts is None:
+            raise InvalidInputError(
+                call,
+                f"no draft table on the {config.wire.value} wire with speculation",
+                "pass drafts=TensorSpec of the draft table: it travels with the tokens",
+            )
+        _check_drafts(call, config, drafts)
+    elif drafts is not None:
+        raise InvalidInputError(
+            call,
+            f"drafts given on the {config.wire.value} wire "
+            f"with num_speculative_steps={config.num_speculative_steps}",
+            "on the seed's wire call broadcast_drafts; without speculation pass no drafts",
+        )
+    if batch.sampled_mask is None and config.wire is not Wire.FIXED:
         # No row produced a token; receivers see the same mask and post nothing.
         return Step(state, (), False)
+    effects, sent = (_send_packed if packed else _send_seed)(config, state, batch)
+    new_state = RelayState(
+        step=state.step,
+        ring=state.ring,
+        generations=state.generations,
+        to_release=(*state.to_release, *sent),
+    )
+    return Step(new_state, effects, True)
 
+
+def _before_send(config: RelayConfig, step: int, op: Op) -> list[Effect]:
+    effects: list[Effect] = []
+    if config.platform is not Platform.CUDA:
+        # The seed's XPU path drains main on the host before it queues the broadcasts.
+        effects.append(Synchronize(step=step, op=op, stream=Stream.MAIN))
+    effects.append(WaitStream(step=step, op=op, stream=Stream.RELAY, waits_for=Stream.MAIN))
+    return effects
+
+
+def _send_seed(
+    config: RelayConfig, state: RelayState, batch: BatchFacts
+) -> tuple[tuple[Effect, ...], tuple[BufferRef, ...]]:
+    step = state.step
+    op = Op.BROADCAST
     n = batch.num_reqs
-    relay = _Tag(step=state.step, op=Op.BROADCAST)
-    wire = _wire(config)
-    send_tokens = BufferRef(_name(state, "send_sampled_tokens"))
-    send_counts = BufferRef(_name(state, "send_counts"))
+    src = config.last_rank
+    comm = Communicator.PP_RELAY
+    relay = Stream.RELAY
+    inputs = config.inputs
+    send_tokens, send_counts = _names(config, step, "send_sampled_tokens", "send_counts")
     sampled_shape = (n, config.max_sample_len)
-    effects: list[Effect] = [WaitStream(**relay, stream=Stream.RELAY, waits_for=Stream.MAIN)]
+    effects = _before_send(config, step, op)
     sent: tuple[BufferRef, ...] = ()
     if config.validate_header:
         # First on the wire, so receivers check step and n before any n-shaped receive.
-        send_header = BufferRef(_name(state, "send_header"))
+        sent = (BufferRef(f"{config.name}.step{step}.send_header"),)
         effects += [
             CopyHostToDevice(
-                **relay,
-                source=relay_header(state.step, n),
-                buffer=send_header,
-                stream=Stream.RELAY,
+                step=step, op=op, source=relay_header(step, n), buffer=sent[0], stream=relay
             ),
-            Broadcast(**relay, **wire, buffer=send_header, shape=HEADER_SHAPE, dtype=DType.INT32),
+            Broadcast(
+                step=step,
+                op=op,
+                buffer=sent[0],
+                shape=HEADER_SHAPE,
+                dtype=DType.INT32,
+                src=src,
+                comm=comm,
+                stream=relay,
+            ),
         ]
-        sent = (send_header,)
     effects += [
         # Send buffers are fresh snapshots: the caller may reuse its tensors at once.
         PadColumns(
-            **relay,
-            source=SAMPLED_TOKENS,
+            step=step,
+            op=op,
+            source=inputs.sampled_tokens,
             out=send_tokens,
             width=config.max_sample_len,
             fill=0,
-            stream=Stream.RELAY,
+            stream=relay,
         ),
-        Broadcast(**relay, **wire, buffer=send_tokens, shape=sampled_shape, dtype=DType.INT64),
+        Broadcast(
+            step=step,
+            op=op,
+            buffer=send_tokens,
+            shape=sampled_shape,
+            dtype=DType.INT64,
+            src=src,
+            comm=comm,
+            stream=relay,
+        ),
         StackRows(
-            **relay, sources=(NUM_SAMPLED, NUM_REJECTED), out=send_counts, stream=Stream.RELAY
+            step=step,
+            op=op,
+            sources=(inputs.num_sampled, inputs.num_rejected),
+            out=send_counts,
+            stream=relay,
         ),
-        Broadcast(**relay, **wire, buffer=send_counts, shape=(2, n), dtype=DType.INT32),
+        Broadcast(
+            step=step,
+            op=op,
+            buffer=send_counts,
+            shape=(2, n),
+            dtype=DType.INT32,
+            src=src,
+            comm=comm,
+            stream=relay,
+        ),
         # The caller's tensors were made on main and are read on the relay stream.
         *(
-            RecordStream(**relay, buffer=b, stream=Stream.RELAY)
-            for b in (SAMPLED_TOKENS, NUM_SAMPLED, NUM_REJECTED)
+            RecordStream(step=step, op=op, buffer=b, stream=relay)
+            for b in (inputs.sampled_tokens, inputs.num_sampled, inputs.num_rejected)
         ),
     ]
-    released = (*state.to_release, *sent, send_tokens, send_counts)
-    return Step(attrs.evolve(state, to_release=released), tuple(effects), True)
+    return tuple(effects), (*sent, send_tokens, send_counts)
+
+
+def _send_packed(
+    config: RelayConfig, state: RelayState, batch: BatchFacts
+) -> tuple[tuple[Effect, ...], tuple[BufferRef, ...]]:
+    step = state.step
+    op = Op.BROADCAST
+    n = batch.num_reqs
+    rows = config.wire_rows(n)
+    spec = config.num_speculative_steps
+    layout = _packed_layout(rows, spec, config.validate_header)
+    relay = Stream.RELAY
+    inputs = config.inputs
+    (wire,) = _names(config, step, "send_wire")
+    effects = _before_send(config, step, op)
+    sections: list[Section] = []
+    made: list[BufferRef] = [wire]
+    if config.validate_header:
+        header = BufferRef(f"{config.name}.step{step}.send_header")
+        effects.append(
+            CopyHostToDevice(
+                step=step, op=op, source=relay_header(step, n), buffer=header, stream=relay
+            )
+        )
+        sections.append(Section(buffer=header, offset=0, shape=HEADER_SHAPE, dtype=DType.INT32))
+        made.append(header)
+    sections += [
+        Section(
+            buffer=inputs.sampled_tokens,
+            offset=layout.tokens,
+            shape=(rows, spec + 1),
+            dtype=DType.INT64,
+        ),
+        Section(
+            buffer=inputs.num_sampled, offset=layout.num_sampled, shape=(rows,), dtype=DType.INT32
+        ),
+        Section(
+            buffer=inputs.num_rejected, offset=layout.num_rejected, shape=(rows,), dtype=DType.INT32
+        ),
+    ]
+    read = [inputs.sampled_tokens, inputs.num_sampled, inputs.num_rejected]
+    if spec:
+        gathered = BufferRef(f"{config.name}.step{step}.send_draft_tokens")
+        effects.append(
+            GatherRows(
+                step=step,
+                op=op,
+                source=inputs.draft_table,
+                index=inputs.idx_mapping,
+                out=gathered,
+                stream=relay,
+            )
+        )
+        sections.append(
+            Section(buffer=gathered, offset=layout.drafts, shape=(rows, spec), dtype=DType.INT64)
+        )
+        made.append(gathered)
+        read += [inputs.idx_mapping, inputs.draft_table]
+    words = (layout.nbytes // 8,)
+    effects += [
+        # A fresh snapshot: the caller may reuse its tensors at once.
+        Pack(
+            step=step, op=op, sections=tuple(sections), out=wire, nbytes=layout.nbytes, stream=relay
+        ),
+        Broadcast(
+            step=step,
+            op=op,
+            buffer=wire,
+            shape=words,
+            dtype=DType.INT64,
+            src=config.last_rank,
+            comm=Communicator.PP_RELAY,
+            stream=relay,
+        ),
+        # The caller's tensors were made on main and are read on the relay stream.
+        *(RecordStream(step=step, op=op, buffer=b, stream=relay) for b in read),
+    ]
+    return tuple(effects), tuple(made)
 
 
 def broadcast_drafts(
     config: RelayConfig, state: RelayState, batch: BatchFacts, drafts: TensorSpec
 ) -> Step[RelayState, bool]:
-    """Send this step's draft proposals so other stages embed real token ids (last stage).
+    """Send this step's draft proposals so other stages embed real token ids (last stage,
+    seed's wire).
 
-    `drafts` describes the [max_num_reqs, spec] int64 table bound to DRAFT_TOKENS;
-    the batch's rows are gathered from it by slot. Gated by the same mask as
-    `broadcast_sampled`, which the receivers compute from the same batch.
+    `drafts` describes the [max_num_reqs, spec] int64 table bound to
+    `config.inputs.draft_table`; the batch's rows are gathered from it by slot. Gated by
+    the same mask as `broadcast_sampled`, which the receivers compute from the same batch.
     """
     call = "broadcast_drafts"
+    _check_state(call, config, state)
     _require_stage(call, config, last=True)
     _check_batch(call, config, batch)
     spec = config.num_speculative_steps
@@ -588,32 +1108,54 @@ def broadcast_drafts(
             "num_speculative_steps is 0, so receivers post no draft broadcast",
             "configure num_speculative_steps > 0 or do not broadcast drafts",
         )
-    _check_int64_2d(call, "draft tokens", drafts)
-    if drafts.shape[1] != spec or drafts.shape[0] < config.max_num_reqs:
+    if config.wire is not Wire.SEED:
         raise InvalidInputError(
             call,
-            f"draft tokens have shape {drafts.shape}",
-            f"pass the [max_num_reqs={config.max_num_reqs}, {spec}] draft table",
+            f"the {config.wire.value} wire sends drafts with the sampled tokens",
+            "pass drafts to broadcast_sampled instead",
         )
-    if need_sampled_mask(batch) is None:
+    _check_drafts(call, config, drafts)
+    if batch.sampled_mask is None:
         return Step(state, (), False)
 
-    relay = _Tag(step=state.step, op=Op.BROADCAST_DRAFTS)
-    send_drafts = BufferRef(_name(state, "send_draft_tokens"))
+    step = state.step
+    op = Op.BROADCAST_DRAFTS
+    relay = Stream.RELAY
+    inputs = config.inputs
+    send_drafts = BufferRef(f"{config.name}.step{step}.send_draft_tokens")
     shape = (batch.num_reqs, spec)
     effects: tuple[Effect, ...] = (
-        WaitStream(**relay, stream=Stream.RELAY, waits_for=Stream.MAIN),
+        WaitStream(step=step, op=op, stream=relay, waits_for=Stream.MAIN),
         GatherRows(
-            **relay, source=DRAFT_TOKENS, index=IDX_MAPPING, out=send_drafts, stream=Stream.RELAY
+            step=step,
+            op=op,
+            source=inputs.draft_table,
+            index=inputs.idx_mapping,
+            out=send_drafts,
+            stream=relay,
         ),
         # Both were made on main and are read on the relay stream. The seed records only
         # the mapping (its draft table lives forever); a caller may bind a fresh table
         # each step, so the table is recorded too, or it could be freed mid-gather.
-        RecordStream(**relay, buffer=IDX_MAPPING, stream=Stream.RELAY),
-        RecordStream(**relay, buffer=DRAFT_TOKENS, stream=Stream.RELAY),
-        Broadcast(**relay, **_wire(config), buffer=send_drafts, shape=shape, dtype=DType.INT64),
+        RecordStream(step=step, op=op, buffer=inputs.idx_mapping, stream=relay),
+        RecordStream(step=step, op=op, buffer=inputs.draft_table, stream=relay),
+        Broadcast(
+            step=step,
+            op=op,
+            buffer=send_drafts,
+            shape=shape,
+            dtype=DType.INT64,
+            src=config.last_rank,
+            comm=Communicator.PP_RELAY,
+            stream=relay,
+        ),
     )
-    new_state = attrs.evolve(state, to_release=(*state.to_release, send_drafts))
+    new_state = RelayState(
+        step=step,
+        ring=state.ring,
+        generations=state.generations,
+        to_release=(*state.to_release, send_drafts),
+    )
     return Step(new_state, effects, True)
 
 

@@ -7,27 +7,17 @@ finishes, each freed slot reused at once by a new request), the batch itself
 sampled (tokens, counts, drafts), all deterministic integer functions of the seed,
 the replica, the step and the row.
 
-`scripted_rank_effects` drives the *real* pure steps for one rank from that schedule,
-in the runner's order (`purepp/runner/loop.py`):
+`scripted_rank_effects` runs the library's one rank-step program (`purepp.rank`:
+`begin`, `agree`, `finish`) for one rank of that schedule. It is a generator of effect
+tuples: whoever drives it performs each tuple before resuming it. Three drivers share it:
+the simulator (`scripted_program`, `simulate_schedule`), a real rank on a
+`TorchInterpreter` (`run_scripted_rank`), and a `Recorder` with nothing behind it
+(`record_scripted_logs`, for golden logs).
 
-1. non-last stages `consume_previous_step` (drafts scattered into a target table);
-2. `free_request_slots` for the slots freed before this step's batch;
-3. the DP agreement (`dp.start_agreement` / `finish_agreement` over DP_CPU); every
-   rank takes part, idle ones with zero tokens;
-4. bind a fresh IDX_MAPPING; non-last stages `receive`, the last stage binds its
-   sampled tokens, counts and drafts and calls `broadcast_sampled` (and
-   `broadcast_drafts` when speculating);
-5. `end_step`.
-
-It is a generator of effect tuples: whoever drives it performs each tuple before
-resuming it. Three drivers share it: the simulator (`scripted_program`,
-`simulate_schedule`), a real rank on a `TorchInterpreter` (`run_scripted_rank`), and
-a `Recorder` with nothing behind it (`record_scripted_logs`, for golden logs).
-
-Caller tensors cross a small seam, `CallerTensors`: the program binds host numpy
-arrays and reads results back as host numpy arrays; `NumpyTensors` and
-`TorchTensors` adapt the two interpreters, `RecordingTensors` performs nothing and
-answers the DP table from the schedule itself (what a matched all-reduce would give).
+Caller tensors cross the rank step's seam (`purepp.rank.StepIO`) as host arrays, plus a
+`read` to look at results: `NumpyTensors` and `TorchTensors` adapt the two interpreters,
+`RecordingTensors` performs nothing and answers the DP table from the schedule itself
+(what a matched all-reduce would give).
 
 What a rank consumed (per step: the step that produced it, the filtered slot
 mapping, the sampled tokens and counts, the draft table after the scatter) and what
@@ -42,7 +32,7 @@ d = pp frees it just after its tokens were consumed (kept: the boundary case).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import attrs
@@ -54,55 +44,44 @@ from purepp.batch import BatchFacts, need_sampled_mask
 from purepp.cudagraph import BatchExecutionDescriptor, CaptureMode, CudaGraphDispatcher
 from purepp.effects.arrays import ARRAY_EQ, IntArray, arrays_equal, int32_array, readonly
 from purepp.effects.interpreter import Interpreter
+from purepp.effects.io import NumpyIO
 from purepp.effects.log import EffectLog, Layout, LogHeader, Recorder
-from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.simulator import RankContext, RankProgram, SimulationResult, simulate
-from purepp.effects.vocabulary import (
-    BufferRef,
-    DType,
-    Effect,
-    TensorSpec,
-)
+from purepp.effects.vocabulary import BufferRef, DType, Effect, TensorSpec
 from purepp.errors import ConfigError, InvalidInputError
-from purepp.relay import (
-    DRAFT_TOKENS,
-    IDX_MAPPING,
-    NUM_REJECTED,
-    NUM_SAMPLED,
-    SAMPLED_TOKENS,
-    ConsumedOutputs,
-    RelayConfig,
-    RelayState,
-    broadcast_drafts,
-    broadcast_sampled,
-    consume_previous_step,
-    end_step,
-    free_request_slots,
-    init_relay,
-    receive,
+from purepp.rank import (
+    REAL_STEPS,
+    RankConfig,
+    RankSteps,
+    Sampled,
+    ShapeFacts,
+    StepIO,
+    agree,
+    begin,
+    finish,
+    init_rank,
+    perform_phase,
 )
-from purepp.step import Step
+from purepp.relay import ConsumedOutputs, RelayConfig, Wire
 
 if TYPE_CHECKING:
     from purepp.effects.torch_interpreter import TorchInterpreter
 
 __all__ = [
     "CAPTURE_SIZES",
-    "DRAFTS_TARGET",
-    "AgreementStart",
-    "CallerTensors",
     "ConsumedStep",
     "NumpyTensors",
-    "PureSteps",
     "RankOutputs",
     "RecordingTensors",
     "ReplicaStep",
     "Schedule",
     "ScheduleConfig",
+    "ScriptedIO",
     "ScriptedRun",
     "TorchTensors",
     "drive",
     "make_schedule",
+    "rank_config",
     "record_scripted_logs",
     "record_scripted_rank",
     "reduced_agreement_table",
@@ -112,10 +91,6 @@ __all__ = [
     "scripted_rank_effects",
     "simulate_schedule",
 ]
-
-# Non-last stages: the [max_num_reqs, spec] int64 table the relay scatters drafts into
-# (the name the runner binds it under).
-DRAFTS_TARGET = BufferRef("input.drafts_to_update")
 
 # Token counts with a captured graph: small, so larger batches run eager and the
 # agreement sees every mode.
@@ -200,6 +175,7 @@ class ScheduleConfig:
     max_prompt_len: int = 7  # longest prompt (> chunk_size: some chunks do not sample)
     max_request_steps: int = 4  # most steps a request is scheduled before it is freed
     validate_header: bool = False  # the relay's opt-in header (RelayConfig.validate_header)
+    wire: Wire = Wire.SEED  # the relay's wire format (RelayConfig.wire)
 
     def __attrs_post_init__(self) -> None:
         _check_schedule_config(self)
@@ -267,6 +243,7 @@ class Schedule:
             num_speculative_steps=self.config.spec,
             first_rank=world.dp_index(rank) * world.pp,
             validate_header=self.config.validate_header,
+            wire=self.config.wire,
         )
 
 
@@ -432,34 +409,21 @@ class RankOutputs:
 # -- the caller-tensor seam ---------------------------------------------------------------
 
 
-class CallerTensors(Protocol):
-    """How a rank program hands host arrays to an interpreter and reads results back."""
-
-    def bind(self, ref: BufferRef, values: npt.NDArray[Any], /) -> None:
-        """Bind a fresh copy of `values` to `ref` (on the interpreter's device)."""
+class ScriptedIO(StepIO[npt.NDArray[Any]], Protocol):
+    """The rank step's tensor seam with host arrays, plus reading results back."""
 
     def read(self, ref: BufferRef, /) -> npt.NDArray[Any] | None:
         """A host copy of what `ref` holds now; None when nothing is performed."""
 
-    def reduced_table(self, pending: dp.PendingAgreement, /) -> IntArray:
-        """The reduced DP table of `pending` (its all-reduce has completed)."""
 
-
-class NumpyTensors:
+class NumpyTensors(NumpyIO):
     """The seam over a `NumpyInterpreter` (the simulator's ranks)."""
 
-    def __init__(self, interpreter: NumpyInterpreter) -> None:
-        self._interpreter = interpreter
-
-    def bind(self, ref: BufferRef, values: npt.NDArray[Any], /) -> None:
-        self._interpreter.bind(ref, np.array(values, copy=True))
+    def bind(self, ref: BufferRef, value: npt.NDArray[Any], /) -> None:
+        self.interpreter.bind(ref, np.array(value, copy=True))
 
     def read(self, ref: BufferRef, /) -> npt.NDArray[Any]:
-        return self._interpreter.host_array(ref)
-
-    def reduced_table(self, pending: dp.PendingAgreement, /) -> IntArray:
-        table: IntArray = self._interpreter.host_array(pending.table)
-        return table
+        return self.interpreter.host_array(ref)
 
 
 class TorchTensors:
@@ -468,112 +432,83 @@ class TorchTensors:
     def __init__(self, interpreter: TorchInterpreter) -> None:
         self._interpreter = interpreter
 
-    def bind(self, ref: BufferRef, values: npt.NDArray[Any], /) -> None:
+    def bind(self, ref: BufferRef, value: npt.NDArray[Any], /) -> None:
         import torch
 
-        host = torch.from_numpy(np.array(values, copy=True))
+        host = torch.from_numpy(np.array(value, copy=True))
         self._interpreter.bind(ref, host.to(self._interpreter.device))
+
+    def spec(self, ref: BufferRef, /) -> TensorSpec:
+        from purepp.effects.io import TorchIO
+
+        return TorchIO(self._interpreter).spec(ref)
+
+    def upload(self, values: IntArray, /) -> npt.NDArray[Any]:
+        return np.array(values, copy=True)  # bind moves it to the device
+
+    def host_table(self, ref: BufferRef, /) -> IntArray:
+        table: IntArray = self._interpreter.host_array(ref)
+        return table
 
     def read(self, ref: BufferRef, /) -> npt.NDArray[Any]:
         # On a GPU this synchronises with the device: a test's read, not a steady-state one.
         return self._interpreter.host_array(ref)
 
-    def reduced_table(self, pending: dp.PendingAgreement, /) -> IntArray:
-        table: IntArray = self._interpreter.host_array(pending.table)
-        return table
-
 
 class RecordingTensors:
     """The seam when nothing performs the effects (a bare `Recorder`).
 
-    Binds nothing and reads nothing; the reduced DP table is computed from the
-    schedule, exactly what a matched all-reduce of every replica's column gives.
+    Remembers the specs of what it is given and reads nothing; the reduced DP table is
+    computed from the schedule, exactly what a matched all-reduce of every replica's
+    column gives.
     """
 
     def __init__(self, schedule: Schedule) -> None:
         self._schedule = schedule
+        self._specs: dict[BufferRef, TensorSpec] = {}
 
-    def bind(self, ref: BufferRef, values: npt.NDArray[Any], /) -> None:
-        pass
+    def bind(self, ref: BufferRef, value: npt.NDArray[Any], /) -> None:
+        dtype = DType.INT64 if value.dtype == np.int64 else DType.INT32
+        self._specs[ref] = TensorSpec(shape=tuple(value.shape), dtype=dtype)
+
+    def spec(self, ref: BufferRef, /) -> TensorSpec:
+        return self._specs[ref]
+
+    def upload(self, values: IntArray, /) -> npt.NDArray[Any]:
+        return values
+
+    def host_table(self, ref: BufferRef, /) -> IntArray:
+        step = int(ref.name.split(".step")[1].split(".")[0])
+        return reduced_agreement_table(self._schedule, step)
 
     def read(self, ref: BufferRef, /) -> None:
         return None
 
-    def reduced_table(self, pending: dp.PendingAgreement, /) -> IntArray:
-        return reduced_agreement_table(self._schedule, pending.step)
-
-
-def _start(
-    schedule: Schedule, replica_step: ReplicaStep, start: AgreementStart, dp_rank: int
-) -> dp.AgreementStarted | dp.AgreementDecided:
-    return start(
-        schedule.dispatcher(),
-        step=replica_step.step,
-        num_reqs=replica_step.batch.num_reqs,
-        num_tokens=replica_step.num_tokens,
-        uniform_token_count=replica_step.uniform_token_count,
-        dp_size=schedule.config.dp,
-        dp_rank=dp_rank,
-    )
-
 
 def reduced_agreement_table(schedule: Schedule, step: int) -> IntArray:
-    """The DP table every rank reads at `step`: the sum of every replica's contribution."""
-    if not 0 <= step < schedule.config.steps:
-        raise InvalidInputError(
-            "reduced_agreement_table",
-            f"step {step} is outside 0..{schedule.config.steps - 1}",
-            "ask for a step of the schedule",
+    """The reduced DP table of `step`: every replica's contribution, summed."""
+    dispatcher = schedule.dispatcher()
+    columns = []
+    for replica in range(schedule.config.dp):
+        replica_step = schedule.at(step, replica)
+        started = dp.start_agreement(
+            dispatcher,
+            step=step,
+            num_reqs=replica_step.batch.num_reqs,
+            num_tokens=replica_step.num_tokens,
+            uniform_token_count=replica_step.uniform_token_count,
+            dp_size=schedule.config.dp,
+            dp_rank=replica,
         )
-    table = np.zeros((dp.TABLE_ROWS, schedule.config.dp), dtype=np.int32)
-    for replica, replica_step in enumerate(schedule.steps[step]):
-        started = _start(schedule, replica_step, dp.start_agreement, replica)
-        if started.state is not None:
-            table += started.state.contribution
-    out: IntArray = readonly(table, np.int32)
-    return out
-
-
-# -- the pure steps a program runs ----------------------------------------------------------
-
-
-class AgreementStart(Protocol):
-    """`dp.start_agreement`'s shape, as far as the scripted program calls it."""
-
-    def __call__(
-        self,
-        dispatcher: CudaGraphDispatcher | None,
-        *,
-        step: int,
-        num_reqs: int,
-        num_tokens: int,
-        uniform_token_count: int | None,
-        dp_size: int,
-        dp_rank: int,
-    ) -> dp.AgreementStarted | dp.AgreementDecided: ...
-
-
-@attrs.frozen(kw_only=True)
-class PureSteps:
-    """The pure steps a rank program calls; tests swap one for a deliberately broken wrapper."""
-
-    consume: Callable[
-        [RelayConfig, RelayState, BufferRef | None], Step[RelayState, ConsumedOutputs | None]
-    ] = consume_previous_step  # non-last stages, first thing in a step
-    free: Callable[[RelayConfig, RelayState, Sequence[int]], Step[RelayState, None]] = (
-        free_request_slots  # the slots freed before the batch
-    )
-    start_agreement: AgreementStart = dp.start_agreement  # the DP agreement's first half
-    receive: Callable[[RelayConfig, RelayState, BatchFacts], Step[RelayState, bool]] = (
-        receive  # non-last stages
-    )
-    broadcast_sampled: Callable[
-        [RelayConfig, RelayState, BatchFacts, TensorSpec], Step[RelayState, bool]
-    ] = broadcast_sampled  # the last stage
-    broadcast_drafts: Callable[
-        [RelayConfig, RelayState, BatchFacts, TensorSpec], Step[RelayState, bool]
-    ] = broadcast_drafts  # the last stage, when speculating
-    end_step: Callable[[RelayConfig, RelayState], Step[RelayState, None]] = end_step
+        if started.state is None:
+            raise ConfigError(
+                "reduced_agreement_table",
+                f"step {step} decides without an all-reduce",
+                "ask only for steps of a DP world (dp > 1)",
+            )
+        columns.append(started.state.contribution)
+    table: IntArray = readonly(np.sum(columns, axis=0, dtype=np.int32), np.int32)
+    return table
 
 
 # -- the rank program ---------------------------------------------------------------------
@@ -581,103 +516,80 @@ class PureSteps:
 RankEffects: TypeAlias = Generator[tuple[Effect, ...], None, RankOutputs]
 
 
-class _Rank:
-    """One rank's run of a schedule: the relay state threaded through the steps."""
+def rank_config(schedule: Schedule, rank: int) -> RankConfig:
+    """Rank `rank`'s configuration of the rank step in the schedule's world."""
+    return RankConfig(
+        relay=schedule.relay_config(rank),
+        dp_size=schedule.config.dp,
+        dp_rank=schedule.world.dp_index(rank),
+        dispatcher=schedule.dispatcher(),
+    )
 
-    def __init__(
-        self, schedule: Schedule, rank: int, tensors: CallerTensors, steps: PureSteps
-    ) -> None:
-        self.schedule = schedule
-        self.rank = rank
-        self.tensors = tensors
-        self.steps = steps
-        self.replica = schedule.world.dp_index(rank)
-        self.config = schedule.relay_config(rank)
-        self.relay = init_relay(self.config)
-        self.spec = schedule.config.spec
-        self.consumed: list[ConsumedStep] = []
-        self.agreed: list[BatchExecutionDescriptor] = []
 
-    def run(self) -> RankEffects:
-        if not self.config.is_last_stage and self.spec:
-            target = np.zeros((self.schedule.config.max_num_reqs, self.spec), dtype=np.int64)
-            self.tensors.bind(DRAFTS_TARGET, target)
-        for step in range(self.schedule.config.steps):
-            replica_step = self.schedule.at(step, self.replica)
-            if not self.config.is_last_stage:
-                yield from self._consume(step)
-            self.relay = self.steps.free(self.config, self.relay, replica_step.freed).state
-            yield from self._agree(replica_step)
-            self.tensors.bind(IDX_MAPPING, replica_step.batch.idx_mapping)
-            if self.config.is_last_stage:
-                yield from self._broadcast(replica_step)
-            else:
-                yield self._apply(self.steps.receive(self.config, self.relay, replica_step.batch))
-            yield self._apply(self.steps.end_step(self.config, self.relay))
-        return RankOutputs(rank=self.rank, consumed=tuple(self.consumed), agreed=tuple(self.agreed))
-
-    def _apply(self, step: Step[RelayState, Any]) -> tuple[Effect, ...]:
-        self.relay = step.state
-        return step.effects
-
-    def _consume(self, step: int) -> Iterator[tuple[Effect, ...]]:
-        target = DRAFTS_TARGET if self.spec else None
-        taken = self.steps.consume(self.config, self.relay, target)
-        yield self._apply(taken)
-        if taken.result is not None:
-            self._record(step, taken.result)
-
-    def _record(self, step: int, outputs: ConsumedOutputs) -> None:
-        read = self.tensors.read
-        tokens, counts, slots = (
-            read(outputs.sampled_tokens),
-            read(outputs.counts),
-            read(outputs.idx_mapping),
+def _scripted_rank(schedule: Schedule, rank: int, io: ScriptedIO, steps: RankSteps) -> RankEffects:
+    """The schedule's steps on one rank, through the library's one rank-step program."""
+    config = rank_config(schedule, rank)
+    replica = schedule.world.dp_index(rank)
+    spec = schedule.config.spec
+    inputs = config.relay.inputs
+    consumed: list[ConsumedStep] = []
+    agreed: list[BatchExecutionDescriptor] = []
+    if config.updates_drafts:
+        io.bind(inputs.draft_table, np.zeros((schedule.config.max_num_reqs, spec), np.int64))
+    state = init_rank(config)
+    for step in range(schedule.config.steps):
+        planned = schedule.at(step, replica)
+        begun = yield from begin(config, state, steps)
+        if begun.consumed is not None:
+            seen = _read_consumed(io, step, begun.consumed, inputs.draft_table if spec else None)
+            if seen is not None:
+                consumed.append(seen)
+        shape = ShapeFacts(
+            num_tokens=planned.num_tokens, uniform_token_count=planned.uniform_token_count
         )
-        drafts = read(DRAFTS_TARGET) if self.spec else None
-        if tokens is None or counts is None or slots is None:
-            return  # nothing performed: nothing to read
-        self.consumed.append(
-            ConsumedStep(
-                step=step,
-                received_at_step=outputs.received_at_step,
-                idx_mapping=tuple(int(s) for s in slots.tolist()),
-                sampled_tokens=_rows(tokens),
-                num_sampled=tuple(int(c) for c in counts[0].tolist()),
-                num_rejected=tuple(int(c) for c in counts[1].tolist()),
-                drafts_table=None if drafts is None else _rows(drafts),
-            )
+        agreed_step = yield from agree(
+            config, begun, planned.batch, shape, io, freed=planned.freed, steps=steps
         )
+        agreed.append(agreed_step.descriptor)
+        state = yield from finish(config, agreed_step, io, _sampled(schedule, planned), steps)
+    return RankOutputs(rank=rank, consumed=tuple(consumed), agreed=tuple(agreed))
 
-    def _agree(self, replica_step: ReplicaStep) -> Iterator[tuple[Effect, ...]]:
-        started = _start(self.schedule, replica_step, self.steps.start_agreement, self.replica)
-        if started.state is None:
-            if started.result is not None:
-                self.agreed.append(started.result.descriptor)
-            return
-        pending = started.state
-        yield started.effects
-        waited = dp.wait_for_agreement(pending)
-        yield waited.effects
-        finished = dp.finish_agreement(pending, self.tensors.reduced_table(pending))
-        self.agreed.append(finished.result.descriptor)
-        yield finished.effects  # releases the table
 
-    def _broadcast(self, replica_step: ReplicaStep) -> Iterator[tuple[Effect, ...]]:
-        batch = replica_step.batch
-        tensors = self.tensors
-        tensors.bind(SAMPLED_TOKENS, replica_step.sampled_tokens)
-        tensors.bind(NUM_SAMPLED, replica_step.num_sampled)
-        tensors.bind(NUM_REJECTED, replica_step.num_rejected)
-        sampled = TensorSpec(shape=replica_step.sampled_tokens.shape, dtype=DType.INT64)
-        yield self._apply(self.steps.broadcast_sampled(self.config, self.relay, batch, sampled))
-        if not self.spec:
-            return
-        table = np.zeros((self.schedule.config.max_num_reqs, self.spec), dtype=np.int64)
-        table[batch.idx_mapping] = replica_step.drafts
-        tensors.bind(DRAFT_TOKENS, table)
-        drafts = TensorSpec(shape=table.shape, dtype=DType.INT64)
-        yield self._apply(self.steps.broadcast_drafts(self.config, self.relay, batch, drafts))
+def _sampled(schedule: Schedule, planned: ReplicaStep) -> Sampled[npt.NDArray[Any]]:
+    """The last stage's outputs as the schedule fixed them (unused on other stages)."""
+    table = None
+    if schedule.config.spec:
+        table = np.zeros((schedule.config.max_num_reqs, schedule.config.spec), dtype=np.int64)
+        table[planned.batch.idx_mapping] = planned.drafts
+    return Sampled(
+        tokens=planned.sampled_tokens,
+        num_sampled=planned.num_sampled,
+        num_rejected=planned.num_rejected,
+        draft_table=table,
+    )
+
+
+def _read_consumed(
+    io: ScriptedIO, step: int, outputs: ConsumedOutputs, drafts: BufferRef | None
+) -> ConsumedStep | None:
+    tokens, num_sampled, num_rejected, slots = (
+        io.read(outputs.sampled_tokens),
+        io.read(outputs.num_sampled),
+        io.read(outputs.num_rejected),
+        io.read(outputs.idx_mapping),
+    )
+    if tokens is None or num_sampled is None or num_rejected is None or slots is None:
+        return None  # nothing performed: nothing to read
+    table = None if drafts is None else io.read(drafts)
+    return ConsumedStep(
+        step=step,
+        received_at_step=outputs.received_at_step,
+        idx_mapping=tuple(int(s) for s in slots.tolist()),
+        sampled_tokens=_rows(tokens),
+        num_sampled=tuple(int(c) for c in num_sampled.tolist()),
+        num_rejected=tuple(int(c) for c in num_rejected.tolist()),
+        drafts_table=None if table is None else _rows(table),
+    )
 
 
 def _check_rank(call: str, schedule: Schedule, rank: int) -> None:
@@ -689,38 +601,31 @@ def _check_rank(call: str, schedule: Schedule, rank: int) -> None:
 
 
 def scripted_rank_effects(
-    schedule: Schedule, rank: int, tensors: CallerTensors, steps: PureSteps | None = None
+    schedule: Schedule, rank: int, io: ScriptedIO, steps: RankSteps | None = None
 ) -> RankEffects:
     """Rank `rank`'s program: a generator of effect tuples that returns its `RankOutputs`.
 
     The driver performs each tuple before resuming the generator, which may then read
-    results through `tensors`. `steps` replaces the real pure steps (tests only).
+    results through `io`. `steps` replaces the real pure steps (a broken variant in tests).
     """
     _check_rank("scripted_rank_effects", schedule, rank)
-    return _Rank(schedule, rank, tensors, PureSteps() if steps is None else steps).run()
+    return _scripted_rank(schedule, rank, io, REAL_STEPS if steps is None else steps)
 
 
 def drive(program: RankEffects, interpreter: Interpreter) -> RankOutputs:
     """Perform every tuple `program` yields on `interpreter`; return its outputs."""
-    try:
-        effects = next(program)
-        while True:
-            interpreter.perform(effects)
-            effects = program.send(None)
-    except StopIteration as done:
-        outputs: RankOutputs = done.value
-        return outputs
+    return perform_phase(program, interpreter)
 
 
-def _real_steps(rank: int) -> PureSteps:
-    return PureSteps()
+def _real_steps(rank: int) -> RankSteps:
+    return REAL_STEPS
 
 
 def scripted_program(
     schedule: Schedule,
     *,
     outputs: dict[int, RankOutputs] | None = None,
-    steps_for: Callable[[int], PureSteps] = _real_steps,
+    steps_for: Callable[[int], RankSteps] = _real_steps,
 ) -> RankProgram:
     """The schedule as a simulator program; each rank's outputs land in `outputs[rank]`.
 
@@ -735,10 +640,8 @@ def scripted_program(
                 f"schedule's is pp={schedule.world.pp}, dp={schedule.world.dp}",
                 "simulate the schedule's own world (schedule.world)",
             )
-        tensors = NumpyTensors(context.interpreter)
-        ran = yield from scripted_rank_effects(
-            schedule, context.rank, tensors, steps_for(context.rank)
-        )
+        io = NumpyTensors(context.interpreter)
+        ran = yield from scripted_rank_effects(schedule, context.rank, io, steps_for(context.rank))
         if outputs is not None:
             outputs[context.rank] = ran
 
@@ -756,7 +659,7 @@ class ScriptedRun:
 def simulate_schedule(
     schedule: Schedule,
     *,
-    steps_for: Callable[[int], PureSteps] = _real_steps,
+    steps_for: Callable[[int], RankSteps] = _real_steps,
     max_steps_in_flight: int | None = None,
     compare_steps: bool = True,
 ) -> ScriptedRun:
@@ -777,9 +680,15 @@ def simulate_schedule(
     return ScriptedRun(simulation=result, outputs=tuple(outputs[rank] for rank in ranks))
 
 
+def _plain(instance: object, field: attrs.Attribute[Any], value: object) -> object:
+    return value.value if isinstance(value, Wire) else value
+
+
 def _written(field: attrs.Attribute[Any], value: object) -> bool:
     # Opt-in switches are written only when on: logs of default runs stay byte-identical
     # to those recorded before the switch existed (the golden logs).
+    if field.name == "wire":
+        return value is not Wire.SEED
     return not (field.name == "validate_header" and value is False)
 
 
@@ -789,7 +698,7 @@ def scripted_header(schedule: Schedule, rank: int) -> LogHeader:
     return LogHeader(
         rank=rank,
         world=schedule.world,
-        config={"scripted": attrs.asdict(config, filter=_written)},
+        config={"scripted": attrs.asdict(config, filter=_written, value_serializer=_plain)},
     )
 
 
@@ -825,7 +734,7 @@ def run_scripted_rank(
 
 
 def record_scripted_rank(
-    schedule: Schedule, rank: int, steps: PureSteps | None = None
+    schedule: Schedule, rank: int, steps: RankSteps | None = None
 ) -> EffectLog:
     """Rank `rank`'s effect log, recorded without performing anything."""
     _check_rank("record_scripted_rank", schedule, rank)
@@ -835,7 +744,7 @@ def record_scripted_rank(
 
 
 def record_scripted_logs(
-    schedule: Schedule, *, steps_for: Callable[[int], PureSteps] = _real_steps
+    schedule: Schedule, *, steps_for: Callable[[int], RankSteps] = _real_steps
 ) -> tuple[EffectLog, ...]:
     """Every rank's effect log, recorded rank by rank without performing anything."""
     return tuple(

@@ -10,7 +10,7 @@ rank) and commit the logs with the change that caused them. tests/test_golden_lo
 records the same scripted runs in memory and fails with a readable diff whenever
 they no longer equal these files, so an unintended change cannot slip through.
 
-Each case is a `ScheduleConfig` of `purepp.runner.scripted`: a seeded PP x DP
+Each case is a `ScheduleConfig` of `purepp.testing`: a seeded PP x DP
 schedule (frees at every ring offset, slots reused at once, idle replicas, prefill
 chunks that do and do not sample, decodes) run by the real pure steps, recorded by a
 `Recorder` with nothing behind it.
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from purepp.effects.log import dump_logs
-from purepp.runner.scripted import ScheduleConfig, make_schedule, record_scripted_logs
+from purepp.testing import ScheduleConfig, make_schedule, record_scripted_logs
 
 __all__ = ["GOLDEN_CASES", "GOLDEN_DIR", "regenerate"]
 

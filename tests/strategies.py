@@ -35,7 +35,7 @@ from purepp.effects.vocabulary import (
     WorkRef,
 )
 from purepp.relay import RelayConfig
-from purepp.runner.scripted import ScheduleConfig
+from purepp.testing import ScheduleConfig
 
 # ---------------------------------------------------------------------------
 # relay: batch facts, relay configurations, step plans (tests/test_relay*.py)

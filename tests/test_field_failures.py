@@ -53,7 +53,7 @@ from purepp.relay import (
     end_step,
     receive,
 )
-from purepp.runner.scripted import (
+from purepp.testing import (
     PureSteps,
     Schedule,
     ScheduleConfig,

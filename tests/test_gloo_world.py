@@ -19,7 +19,7 @@ import torch
 from purepp.effects.log import EffectLog, Recorder, assert_logs_equal
 from purepp.effects.torch_interpreter import Backend, TorchInterpreter, build_communicators
 from purepp.effects.vocabulary import Effect
-from purepp.runner.scripted import (
+from purepp.testing import (
     RankOutputs,
     ScheduleConfig,
     make_schedule,

@@ -15,7 +15,7 @@ import pytest
 
 from purepp.effects.checker import check_log_dir
 from purepp.effects.log import EffectLog, Recorder, assert_logs_equal, load_logs, replay
-from purepp.runner.scripted import make_schedule, record_scripted_logs, simulate_schedule
+from purepp.testing import make_schedule, record_scripted_logs, simulate_schedule
 from tests.regen_golden import GOLDEN_CASES, GOLDEN_DIR
 
 CASES = sorted(GOLDEN_CASES)

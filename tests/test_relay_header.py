@@ -68,7 +68,7 @@ from purepp.relay import (
     receive,
     relay_header,
 )
-from purepp.runner.scripted import (
+from purepp.testing import (
     ScheduleConfig,
     make_schedule,
     record_scripted_logs,

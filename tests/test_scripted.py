@@ -19,7 +19,7 @@ from purepp.effects.log import EffectLog, assert_logs_equal
 from purepp.effects.matching import match_collectives
 from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.errors import ConfigError, InvalidInputError
-from purepp.runner.scripted import (
+from purepp.testing import (
     ConsumedStep,
     NumpyTensors,
     Schedule,

@@ -1,12 +1,13 @@
-"""Read-only numpy arrays as attrs fields.
+"""Immutable numpy arrays as attrs fields.
 
-Every array held by a state, an effect or a result is a private read-only copy,
-so a caller mutating its own array never changes a value purepp handed back.
+Every array held by a state, an effect or a result is a view of a `bytes` object:
+read-only all the way down, so neither the array nor its base can be made writable
+again (`flags.writeable = True` raises). Such an array is recognised in O(1) and
+shared as it is, so the library never copies or re-validates an array it built itself.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import attrs
@@ -19,7 +20,9 @@ __all__ = [
     "IntArray",
     "arrays_equal",
     "bool_array",
+    "frozen",
     "int32_array",
+    "is_frozen",
     "readonly",
 ]
 
@@ -27,38 +30,43 @@ IntArray = npt.NDArray[np.int32]
 BoolArray = npt.NDArray[np.bool_]
 
 
-# Arrays this module made read-only, by id: they are shared instead of copied again, so
-# `attrs.evolve` on a state does not copy every array it holds. Keyed weakly by id
-# (ndarrays are unhashable), checked by identity.
-_FROZEN: weakref.WeakValueDictionary[int, npt.NDArray[Any]] = weakref.WeakValueDictionary()
+def is_frozen(array: npt.NDArray[Any]) -> bool:
+    """Whether `array` is a view of immutable memory (its base chain ends in `bytes`)."""
+    if array.flags.writeable:
+        return False
+    base: object = array.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return type(base) is bytes
+
+
+def frozen(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """`array` as a C-contiguous view of a fresh `bytes` copy (the dtype is kept)."""
+    out = np.frombuffer(np.ascontiguousarray(array).tobytes(), dtype=array.dtype)
+    return out.reshape(array.shape)
 
 
 def readonly(values: npt.ArrayLike, dtype: type[np.generic]) -> npt.NDArray[Any]:
-    """A read-only copy of `values` as a C-contiguous array of `dtype` (or `values`
-    itself when it is already such an array made by this function)."""
-    if _FROZEN.get(id(values)) is values and values.dtype == dtype:
+    """An immutable `dtype` array holding `values`: `values` itself when it already is one.
+
+    The conversion follows numpy's casting; callers validate caller input before this.
+    """
+    if type(values) is np.ndarray and values.dtype == dtype and is_frozen(values):
         return values
-    out = np.array(values, dtype=dtype, copy=True, order="C")
-    out.flags.writeable = False
-    _FROZEN[id(out)] = out
-    return out
+    return frozen(np.asarray(values, dtype=dtype))
 
 
 def arrays_equal(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> bool:
     """Equal dtype, shape and elements (numpy's `==` broadcasts; this does not)."""
-    return a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
+    return a is b or (a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b)))
 
 
-def _hash_array(a: npt.NDArray[Any]) -> int:
-    return hash((a.dtype.str, a.shape, a.tobytes()))
-
-
-# Compares read-only array fields by dtype, shape and content.
+# Compares immutable array fields by dtype, shape and content.
 ARRAY_EQ = attrs.cmp_using(eq=arrays_equal, class_name="ReadOnlyArray")
 
 
 def int32_array(values: npt.ArrayLike) -> IntArray:
-    """Field converter: a read-only int32 copy (lists, tuples and arrays alike).
+    """Field converter: an immutable int32 array (lists, tuples and arrays alike).
 
     Use as `attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)`: written out
     in the class body, so mypy's attrs plugin types `__init__` from the converter.
@@ -68,6 +76,6 @@ def int32_array(values: npt.ArrayLike) -> IntArray:
 
 
 def bool_array(values: npt.ArrayLike) -> BoolArray:
-    """Field converter: a read-only bool copy (see `int32_array`)."""
+    """Field converter: an immutable bool array (see `int32_array`)."""
     out: BoolArray = readonly(values, np.bool_)
     return out

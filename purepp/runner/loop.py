@@ -1,16 +1,17 @@
 """One rank's decode loop with purepp inside: what a research serving loop looks like.
 
-Each step, on every rank of a replica (all stages keep the same request table):
-1. apply the sampled outputs of the step `pp_size` steps ago (non-last stages
-   consume them from the relay's ring; the last stage kept its own), finish
-   requests that reached their max tokens, abort those due, admit arrivals into
-   the freed slots at once;
-2. schedule the batch and agree its shape across the DP group (every rank, idle
-   or not, takes part), padding to the dispatched CUDA-graph size;
-3. run the toy model's stage, passing activations to the next stage;
-4. the last stage samples (verifying drafts), broadcasts sampled tokens, counts
-   and new drafts; the other stages post the matching receives;
-5. end the relay's step.
+Each step runs the library's rank step (`purepp.rank`: begin, agree, finish) with this
+runner's work in between, on every rank of a replica (all stages keep the same request
+table):
+1. `begin` consumes the sampled outputs of the step `pp_size` steps ago (non-last
+   stages; the last stage kept its own); the runner applies them, finishes requests
+   that reached their max tokens, aborts those due, admits arrivals into the freed slots;
+2. `agree` frees those slots in the relay and agrees the batch shape across the DP
+   group (every rank, idle or not, takes part), padding to the dispatched graph size;
+3. the toy model's stage runs, passing activations to the next stage; the last stage
+   samples (verifying drafts) and proposes new drafts;
+4. `finish` broadcasts sampled tokens, counts and drafts (last stage) or posts the
+   matching receives, and ends the relay's step.
 """
 
 from __future__ import annotations
@@ -25,29 +26,14 @@ import numpy.typing as npt
 import torch
 import torch.distributed as dist
 
-from purepp import dp
-from purepp.batch import need_sampled_mask
 from purepp.cudagraph import CaptureMode, CudaGraphDispatcher
 from purepp.effects.interpreter import Interpreter
+from purepp.effects.io import TorchIO
 from purepp.effects.torch_interpreter import TorchInterpreter
-from purepp.effects.vocabulary import BufferRef, DType, TensorSpec
 from purepp.errors import StaleTokenError
 from purepp.layout import Layout
-from purepp.relay import (
-    DRAFT_TOKENS,
-    IDX_MAPPING,
-    NUM_REJECTED,
-    NUM_SAMPLED,
-    SAMPLED_TOKENS,
-    RelayConfig,
-    broadcast_drafts,
-    broadcast_sampled,
-    consume_previous_step,
-    end_step,
-    free_request_slots,
-    init_relay,
-    receive,
-)
+from purepp.rank import Agreed, RankConfig, RankDriver, Sampled, ShapeFacts, init_rank
+from purepp.relay import ConsumedOutputs, RelayConfig
 from purepp.runner.results import RankResult
 from purepp.runner.scheduler import ScheduledRow, ScheduledStep, Scheduler, SchedulerConfig
 from purepp.runner.settings import RunSettings
@@ -60,10 +46,7 @@ from purepp.runner.toy_model import (
 )
 from purepp.runner.workload import Workload
 
-__all__ = ["DRAFTS_TO_UPDATE", "RankLoop", "RankResult"]
-
-# Non-last stages: the [max_num_reqs, spec] draft table the relay scatters drafts into.
-DRAFTS_TO_UPDATE = BufferRef("input.drafts_to_update")
+__all__ = ["RankLoop", "RankResult"]
 
 
 @attrs.frozen(kw_only=True)
@@ -116,7 +99,6 @@ class RankLoop:
             first_rank=self.replica * settings.pp,
             validate_header=settings.validate_header,
         )
-        self.relay = init_relay(self.relay_config)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_reqs=settings.max_num_reqs,
@@ -140,14 +122,23 @@ class RankLoop:
             settings.max_model_len,
             self.device,
         )
+        self.config = RankConfig(
+            relay=self.relay_config,
+            dp_size=settings.dp,
+            dp_rank=self.replica,
+            dispatcher=self.dispatcher,
+        )
+        self.state = init_rank(self.config)
+        self.driver = RankDriver(self.config, perform, TorchIO(env))
         self.in_flight: deque[_InFlight] = deque()
         self.steps_run = 0
         self.drafts_proposed = 0
         self.drafts_accepted = 0
         self.padded_tokens = 0
         self.eager_steps = 0
-        if not self.is_last and self.spec:
-            env.bind(DRAFTS_TO_UPDATE, self._zeros((settings.max_num_reqs, self.spec)))
+        if self.config.updates_drafts:
+            table = self._zeros((settings.max_num_reqs, self.spec))
+            env.bind(self.relay_config.inputs.draft_table, table)
 
     @property
     def is_last(self) -> bool:
@@ -173,19 +164,23 @@ class RankLoop:
         return self._result(seconds)
 
     def run_step(self, step: int) -> None:
-        self._apply_previous(step)
-        freed = self.scheduler.abort_due(step)
-        self._free(freed)
+        """One decode step: the library's rank step, with this runner's work in between."""
+        begun = self.driver.begin(self.state)
+        freed = self._apply_previous(step, begun.consumed)
+        freed += self.scheduler.abort_due(step)
         for slot in self.scheduler.admit(step):
             self.model.reset_slot(slot)
         scheduled = self.scheduler.schedule(step)
-        num_tokens = self._agree(step, scheduled)
-        sampled = self._forward(scheduled, num_tokens)
-        self._relay(scheduled, sampled)
+        shape = ShapeFacts(
+            num_tokens=scheduled.num_tokens,
+            uniform_token_count=scheduled.uniform_token_count,
+            max_query_len=scheduled.max_query_len,
+        )
+        agreed = self.driver.agree(begun, scheduled.batch, shape, freed=freed)
+        self._count_padding(scheduled, agreed)
+        sampled = self._forward(scheduled, agreed.descriptor.num_tokens)
+        self.state = self.driver.finish(agreed, self._relayed(sampled, scheduled))
         self.in_flight.append(_InFlight(scheduled=scheduled, sampled=sampled))
-        ended = end_step(self.relay_config, self.relay)
-        self.interpreter.perform(ended.effects)
-        self.relay = ended.state
 
     def _all_done(self) -> bool:
         """Stop early only without DP: replicas cannot see each other's work, but the
@@ -196,22 +191,12 @@ class RankLoop:
         pending = any(entry.scheduled.rows for entry in self.in_flight)
         return not (scheduler.waiting or pending or any(scheduler.slots))
 
-    def _free(self, slots: list[int]) -> None:
-        if slots:
-            self.relay = free_request_slots(self.relay_config, self.relay, slots).state
-
     # -- 1. outputs of the step pp_size ago ---------------------------------------------------
 
-    def _apply_previous(self, step: int) -> None:
-        consumed = None
-        if not self.is_last:
-            target = DRAFTS_TO_UPDATE if self.spec else None
-            taken = consume_previous_step(self.relay_config, self.relay, target)
-            self.interpreter.perform(taken.effects)
-            self.relay = taken.state
-            consumed = taken.result
+    def _apply_previous(self, step: int, consumed: ConsumedOutputs | None) -> list[int]:
+        """Apply the outputs of the step pp_size ago; the slots of finished requests."""
         if not self.in_flight or self.in_flight[0].scheduled.step != step - self.settings.pp:
-            return
+            return []
         entry = self.in_flight.popleft()
         rows = entry.scheduled.rows
         finished: list[int] = []
@@ -235,24 +220,26 @@ class RankLoop:
                     f"rank {self.rank}: consumed step {consumed.received_at_step}, "
                     f"expected {entry.scheduled.step}"
                 )
-            tensors = self.env.resolve(consumed)
-            tokens = tensors["sampled_tokens"].cpu().numpy()
-            counts = tensors["counts"].cpu().numpy()
-            drafts = self.env.tensor(DRAFTS_TO_UPDATE).cpu().numpy() if self.spec else None
+            env = self.env
+            tokens = env.tensor(consumed.sampled_tokens).cpu().numpy()
+            num_sampled = env.tensor(consumed.num_sampled).cpu().numpy()
+            num_rejected = env.tensor(consumed.num_rejected).cpu().numpy()
+            table = self.relay_config.inputs.draft_table
+            drafts = env.tensor(table).cpu().numpy() if self.spec else None
             for i, slot in enumerate(consumed.idx_mapping_np.tolist()):
                 if slot < 0:
                     continue  # freed since, or produced no token: the relay dropped it
                 self._check_not_stale(step, rows[i], slot)
-                count = int(counts[0, i])
+                count = int(num_sampled[i])
                 if self.scheduler.apply_outputs(
                     rows[i],
                     slot,
                     tokens[i, :count].tolist(),
-                    int(counts[1, i]),
+                    int(num_rejected[i]),
                     [] if drafts is None else drafts[slot].tolist(),
                 ):
                     finished.append(slot)
-        self._free(finished)
+        return finished
 
     def _check_not_stale(self, step: int, row: ScheduledRow, slot: int) -> None:
         """The relay must drop rows whose slot was freed and reused; say so loudly if not."""
@@ -266,36 +253,12 @@ class RankLoop:
                 "bump the slot's generation on every free path (free_request_slot)",
             )
 
-    # -- 2. the DP agreement -----------------------------------------------------------------
+    # -- 2. the DP agreement (in the rank step) --------------------------------------------
 
-    def _agree(self, step: int, scheduled: ScheduledStep) -> int:
-        """Agree the padded token count across replicas; every rank takes part."""
-        started = dp.start_agreement(
-            self.dispatcher,
-            step=step,
-            num_reqs=scheduled.batch.num_reqs,
-            num_tokens=scheduled.num_tokens,
-            uniform_token_count=scheduled.uniform_token_count,
-            dp_size=self.settings.dp,
-            dp_rank=self.replica,
-            max_query_len=scheduled.max_query_len,
-        )
-        if started.state is None:
-            outcome = started.result
-        else:
-            self.interpreter.perform(started.effects)
-            waited = dp.wait_for_agreement(started.state)
-            self.interpreter.perform(waited.effects)
-            table = self.env.host_array(waited.result)
-            finished = dp.finish_agreement(started.state, table)
-            self.interpreter.perform(finished.effects)
-            outcome = finished.result
-        if outcome is None:
-            raise RuntimeError("an agreement decided nothing")  # start/finish contract
-        descriptor = outcome.descriptor
-        self.padded_tokens += descriptor.num_tokens - scheduled.num_tokens
-        self.eager_steps += int(outcome.sync is not None and outcome.sync.eager)
-        return descriptor.num_tokens
+    def _count_padding(self, scheduled: ScheduledStep, agreed: Agreed) -> None:
+        self.padded_tokens += agreed.descriptor.num_tokens - scheduled.num_tokens
+        sync = agreed.target.sync
+        self.eager_steps += int(sync is not None and sync.eager)
 
     # -- 3. the model ------------------------------------------------------------------------
 
@@ -361,42 +324,25 @@ class RankLoop:
             tokens=tokens, num_sampled=num_sampled, num_rejected=num_rejected, drafts=drafts
         )
 
-    # -- 4. the relay --------------------------------------------------------------------------
+    # -- 4. the relay (in the rank step) ---------------------------------------------------
 
-    def _relay(self, scheduled: ScheduledStep, sampled: _Sampled | None) -> None:
-        batch = scheduled.batch
-        # A fresh tensor each step: the ring keeps this one until it is consumed.
-        self.env.bind(IDX_MAPPING, self._to_device(batch.idx_mapping))
-        if not self.is_last:
-            posted = receive(self.relay_config, self.relay, batch)
-            self.interpreter.perform(posted.effects)
-            self.relay = posted.state
-            return
+    def _relayed(
+        self, sampled: _Sampled | None, scheduled: ScheduledStep
+    ) -> Sampled[torch.Tensor] | None:
+        """The last stage's outputs as device tensors for the relay to send."""
         if sampled is None:
-            if need_sampled_mask(batch) is not None:
-                raise RuntimeError("rows need a sample but the model did not run")
-            return
-        self.env.bind(SAMPLED_TOKENS, self._to_device(sampled.tokens))
-        self.env.bind(NUM_SAMPLED, self._to_device(sampled.num_sampled))
-        self.env.bind(NUM_REJECTED, self._to_device(sampled.num_rejected))
-        sent = broadcast_sampled(
-            self.relay_config,
-            self.relay,
-            batch,
-            TensorSpec(shape=sampled.tokens.shape, dtype=DType.INT64),
+            return None
+        table = None
+        if self.spec:
+            drafts = np.zeros((self.settings.max_num_reqs, self.spec), dtype=np.int64)
+            drafts[scheduled.batch.idx_mapping] = sampled.drafts
+            table = self._to_device(drafts)
+        return Sampled(
+            tokens=self._to_device(sampled.tokens),
+            num_sampled=self._to_device(sampled.num_sampled),
+            num_rejected=self._to_device(sampled.num_rejected),
+            draft_table=table,
         )
-        self.interpreter.perform(sent.effects)
-        self.relay = sent.state
-        if not self.spec:
-            return
-        table = np.zeros((self.settings.max_num_reqs, self.spec), dtype=np.int64)
-        table[batch.idx_mapping] = sampled.drafts
-        self.env.bind(DRAFT_TOKENS, self._to_device(table))
-        sent = broadcast_drafts(
-            self.relay_config, self.relay, batch, TensorSpec(shape=table.shape, dtype=DType.INT64)
-        )
-        self.interpreter.perform(sent.effects)
-        self.relay = sent.state
 
     # -- the report --------------------------------------------------------------------------
 

@@ -1,0 +1,82 @@
+"""The rank step's tensor seam (`purepp.rank.StepIO`) over the numpy and torch interpreters."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from purepp.effects.arrays import IntArray
+from purepp.effects.numpy_interpreter import NumpyInterpreter
+from purepp.effects.vocabulary import BufferRef, DType, TensorSpec
+from purepp.errors import InterpreterError
+
+if TYPE_CHECKING:
+    import torch
+
+    from purepp.effects.torch_interpreter import TorchInterpreter
+
+__all__ = ["NumpyIO", "TorchIO"]
+
+_DTYPES = {"int64": DType.INT64, "int32": DType.INT32}
+
+
+def _spec(call: str, ref: BufferRef, shape: tuple[int, ...], dtype: str) -> TensorSpec:
+    kind = _DTYPES.get(dtype)
+    if kind is None:
+        raise InterpreterError(
+            call, f"buffer {ref.name!r} is {dtype}", "bind int64 or int32 tensors to relay inputs"
+        )
+    return TensorSpec(shape=shape, dtype=kind)
+
+
+class NumpyIO:
+    """Caller arrays bound in a `NumpyInterpreter` (the simulator's ranks, CPU tests)."""
+
+    def __init__(self, interpreter: NumpyInterpreter) -> None:
+        self.interpreter = interpreter
+
+    def bind(self, ref: BufferRef, value: npt.NDArray[Any], /) -> None:
+        self.interpreter.bind(ref, value)
+
+    def spec(self, ref: BufferRef, /) -> TensorSpec:
+        array = self.interpreter.tensor(ref)
+        return _spec("NumpyIO.spec", ref, tuple(array.shape), str(array.dtype))
+
+    def upload(self, values: IntArray, /) -> npt.NDArray[Any]:
+        return np.array(values, copy=True)
+
+    def host_table(self, ref: BufferRef, /) -> IntArray:
+        table: IntArray = self.interpreter.host_array(ref)
+        return table
+
+
+class TorchIO:
+    """Caller tensors bound in a `TorchInterpreter` (CUDA or CPU)."""
+
+    def __init__(self, interpreter: TorchInterpreter) -> None:
+        self.interpreter = interpreter
+
+    def bind(self, ref: BufferRef, value: torch.Tensor, /) -> None:
+        self.interpreter.bind(ref, value)
+
+    def spec(self, ref: BufferRef, /) -> TensorSpec:
+        tensor = self.interpreter.tensor(ref)
+        return _spec(
+            "TorchIO.spec", ref, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
+        )
+
+    def upload(self, values: IntArray, /) -> torch.Tensor:
+        import torch
+
+        host = torch.from_numpy(np.array(values, copy=True))
+        device = self.interpreter.device
+        if device.type == "cpu":
+            return host
+        # Pinned, so the copy does not block the host (the seed's async_tensor_h2d).
+        return host.pin_memory().to(device, non_blocking=True)
+
+    def host_table(self, ref: BufferRef, /) -> IntArray:
+        table: IntArray = self.interpreter.host_array(ref)
+        return table

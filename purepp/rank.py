@@ -1,0 +1,412 @@
+"""One rank's decode step as one program: the only place its order is written.
+
+A decode step on a rank of a PP x DP world is, in this order:
+
+1. `begin`: consume the relay entry received `ring_depth` steps ago (non-last stages),
+   handing the caller its tokens, counts and slot mapping;
+2. (the caller applies those outputs, frees finished or aborted slots, schedules)
+3. `agree`: bump the generations of the freed slots, then agree the batch shape across
+   the DP group (every rank, idle or not), and let the drafter reuse that agreement;
+4. (the caller runs its forward at the agreed shape; the last stage samples and drafts)
+5. `finish`: post this step's receives (non-last stages) or broadcast the sampled tokens
+   and drafts (last stage), then end the relay's step.
+
+The phases hand each other typed values (`Begun`, `Agreed`), so a step cannot skip the
+agreement, agree twice, or forget to end: each phase takes only what the one before it
+returned. Each phase is a generator of effect tuples: the caller's driver performs every
+tuple before resuming it. `RankDriver` performs them at once on an interpreter (torch on
+CUDA or gloo, numpy, a recorder); the simulator's rank programs `yield from` the same
+phases. Tensors cross through a small seam, `StepIO`: bind the caller's tensors under
+the relay's own input names (shapes and dtypes are read from what is bound), and read
+the reduced DP table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from typing import Generic, Protocol, TypeVar
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from purepp import dp
+from purepp.batch import BatchFacts
+from purepp.cudagraph import BatchExecutionDescriptor, CudaGraphDispatcher
+from purepp.effects.arrays import IntArray
+from purepp.effects.interpreter import Interpreter
+from purepp.effects.vocabulary import BufferRef, Effect, TensorSpec
+from purepp.errors import InvalidInputError
+from purepp.relay import (
+    ConsumedOutputs,
+    RelayConfig,
+    RelayState,
+    Wire,
+    broadcast_drafts,
+    broadcast_sampled,
+    consume_previous_step,
+    end_step,
+    free_request_slots,
+    init_relay,
+    receive,
+)
+from purepp.step import Step
+
+__all__ = [
+    "Agreed",
+    "Begun",
+    "RankConfig",
+    "RankDriver",
+    "RankState",
+    "RankSteps",
+    "Sampled",
+    "ShapeFacts",
+    "StepIO",
+    "StepPhase",
+    "agree",
+    "begin",
+    "finish",
+    "init_rank",
+    "perform_phase",
+]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# A phase: effect tuples to perform in order, then the phase's answer.
+StepPhase = Generator[tuple[Effect, ...], None, R]
+
+
+class StepIO(Protocol[T]):
+    """The tensor seam between a phase and an interpreter's environment."""
+
+    def bind(self, ref: BufferRef, value: T, /) -> None:
+        """Bind the caller's tensor `value` under `ref`."""
+
+    def spec(self, ref: BufferRef, /) -> TensorSpec:
+        """Shape and dtype of the tensor bound under `ref`."""
+
+    def upload(self, values: IntArray, /) -> T:
+        """A new device tensor holding the host int32 array `values`."""
+
+    def host_table(self, ref: BufferRef, /) -> IntArray:
+        """The reduced DP agreement table bound under `ref`, on the host."""
+
+
+class AgreementStart(Protocol):
+    """`dp.start_agreement`'s shape, as far as the rank step calls it."""
+
+    def __call__(
+        self,
+        dispatcher: CudaGraphDispatcher | None,
+        *,
+        step: int,
+        num_reqs: int,
+        num_tokens: int,
+        uniform_token_count: int | None,
+        dp_size: int,
+        dp_rank: int,
+        max_query_len: int | None = None,
+        need_eager: bool = False,
+        dp_sync: dp.DPSyncState | None = None,
+        label: str = "dp",
+    ) -> dp.AgreementStarted | dp.AgreementDecided: ...
+
+
+@attrs.frozen(kw_only=True)
+class RankSteps:
+    """The pure steps the rank step calls. A research runner (or a test reproducing a
+    field failure) swaps one for its own; the order they are called in stays this module's."""
+
+    consume: Callable[..., Step[RelayState, ConsumedOutputs | None]] = consume_previous_step
+    free: Callable[
+        [RelayConfig, RelayState, Sequence[int] | npt.NDArray[np.integer]], Step[RelayState, None]
+    ] = free_request_slots
+    start_agreement: AgreementStart = dp.start_agreement
+    receive: Callable[[RelayConfig, RelayState, BatchFacts], Step[RelayState, bool]] = receive
+    broadcast_sampled: Callable[..., Step[RelayState, bool]] = broadcast_sampled
+    broadcast_drafts: Callable[
+        [RelayConfig, RelayState, BatchFacts, TensorSpec], Step[RelayState, bool]
+    ] = broadcast_drafts
+    end_step: Callable[[RelayConfig, RelayState], Step[RelayState, None]] = end_step
+
+
+REAL_STEPS = RankSteps()
+
+
+@attrs.frozen(kw_only=True)
+class RankConfig:
+    """Static configuration of one rank's decode step."""
+
+    relay: RelayConfig  # this rank's relay
+    dp_size: int = 1  # ranks in the DP group
+    dp_rank: int = 0  # this rank's index in it
+    dispatcher: CudaGraphDispatcher | None = None  # the target model's CUDA graphs
+    # the drafter's CUDA graphs; it reuses the target's agreement (no second collective)
+    drafter_dispatcher: CudaGraphDispatcher | None = None
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.relay.is_last_stage
+
+    @property
+    def updates_drafts(self) -> bool:
+        """Non-last stages keep a draft table the consume writes the kept drafts into."""
+        return not self.relay.is_last_stage and self.relay.num_speculative_steps > 0
+
+
+@attrs.frozen(kw_only=True)
+class RankState:
+    """Between steps: the relay's state (the DP agreement keeps none across steps)."""
+
+    relay: RelayState
+
+    @property
+    def step(self) -> int:
+        return self.relay.step
+
+
+@attrs.frozen(kw_only=True)
+class ShapeFacts:
+    """This rank's batch shape, for the DP agreement (tokens already padded by the caller)."""
+
+    num_tokens: int  # tokens scheduled on this rank
+    uniform_token_count: int | None = None  # tokens per request of a uniform decode batch
+    max_query_len: int | None = None  # per-request query-length bound, None: not tracked
+    need_eager: bool = False  # force eager (a profile run)
+
+
+@attrs.frozen(kw_only=True)
+class Begun:
+    """A step whose relay entry was consumed: pass it to `agree`."""
+
+    relay: RelayState  # the relay after the consume
+    consumed: ConsumedOutputs | None  # what the entry still holds for the caller, if anything
+
+
+@attrs.frozen(kw_only=True)
+class Agreed:
+    """A step whose shape the DP group agreed: run the forward, then pass it to `finish`."""
+
+    relay: RelayState  # the relay after the frees
+    batch: BatchFacts  # the step's batch, replicated on the pipeline's stages
+    target: dp.DispatchOutcome  # the target model's descriptor and agreement
+    drafter: dp.DispatchOutcome | None  # the drafter's, reusing the target's agreement
+
+    @property
+    def descriptor(self) -> BatchExecutionDescriptor:
+        return self.target.descriptor
+
+
+@attrs.frozen(kw_only=True)
+class Sampled(Generic[T]):
+    """The last stage's outputs of a step, as the caller's tensors."""
+
+    tokens: T  # [n, k] int64, k <= spec + 1
+    num_sampled: T  # [n] int32
+    num_rejected: T  # [n] int32
+    draft_table: T | None = None  # [max_num_reqs, spec] int64 by slot, when speculating
+
+
+def init_rank(config: RankConfig) -> RankState:
+    """The state before step 0."""
+    return RankState(relay=init_relay(config.relay))
+
+
+def begin(config: RankConfig, state: RankState, steps: RankSteps = REAL_STEPS) -> StepPhase[Begun]:
+    """Phase 1: consume the relay entry from `ring_depth` steps ago (non-last stages)."""
+    if config.is_last_stage:
+        return Begun(relay=state.relay, consumed=None)
+    taken = steps.consume(config.relay, state.relay, update_drafts=config.updates_drafts)
+    yield taken.effects
+    return Begun(relay=taken.state, consumed=taken.result)
+
+
+def agree(
+    config: RankConfig,
+    begun: Begun,
+    batch: BatchFacts,
+    shape: ShapeFacts,
+    io: StepIO[T],
+    *,
+    freed: Sequence[int] | npt.NDArray[np.integer] = (),
+    steps: RankSteps = REAL_STEPS,
+) -> StepPhase[Agreed]:
+    """Phase 2: free `freed` slots, then agree `batch`'s shape across the DP group.
+
+    Every rank takes part, idle or not: a rank that skipped the all-reduce would leave
+    the group one collective apart. The drafter reuses the agreement (no collective).
+    """
+    relay = steps.free(config.relay, begun.relay, freed).state
+    started = steps.start_agreement(
+        config.dispatcher,
+        step=relay.step,
+        num_reqs=batch.num_reqs,
+        num_tokens=shape.num_tokens,
+        uniform_token_count=shape.uniform_token_count,
+        dp_size=config.dp_size,
+        dp_rank=config.dp_rank,
+        max_query_len=shape.max_query_len,
+        need_eager=shape.need_eager,
+    )
+    if started.state is None:
+        target = started.result
+    else:
+        pending = started.state
+        yield started.effects
+        waited = dp.wait_for_agreement(pending)
+        if waited.effects:
+            yield waited.effects
+        finished = dp.finish_agreement(pending, io.host_table(waited.result))
+        yield finished.effects
+        target = finished.result
+    if target is None:  # unreachable: start decides or returns a pending agreement
+        raise InvalidInputError("agree", "the agreement decided nothing", "report this bug")
+    drafter = None
+    if config.drafter_dispatcher is not None:
+        reused = steps.start_agreement(
+            config.drafter_dispatcher,
+            step=relay.step,
+            num_reqs=batch.num_reqs,
+            num_tokens=shape.num_tokens,
+            uniform_token_count=shape.uniform_token_count,
+            dp_size=config.dp_size,
+            dp_rank=config.dp_rank,
+            max_query_len=shape.max_query_len,
+            need_eager=shape.need_eager,
+            dp_sync=target.sync,
+            label="drafter",
+        )
+        yield reused.effects
+        drafter = reused.result
+    return Agreed(relay=relay, batch=batch, target=target, drafter=drafter)
+
+
+def finish(
+    config: RankConfig,
+    agreed: Agreed,
+    io: StepIO[T],
+    sampled: Sampled[T] | None = None,
+    steps: RankSteps = REAL_STEPS,
+) -> StepPhase[RankState]:
+    """Phase 3: receive (non-last stages) or broadcast (last stage), then end the step.
+
+    `sampled` is the last stage's outputs, None when its forward produced nothing (an
+    idle step). A fresh slot mapping is bound each step: the ring keeps it until consumed.
+    """
+    relay_config = config.relay
+    inputs = relay_config.inputs
+    batch = agreed.batch
+    relay = agreed.relay
+    io.bind(inputs.idx_mapping, io.upload(batch.idx_mapping))
+    if not config.is_last_stage:
+        posted = steps.receive(relay_config, relay, batch)
+        yield posted.effects
+        relay = posted.state
+    elif sampled is not None:
+        relay = yield from _broadcast(
+            relay_config, relay, batch=batch, io=io, sampled=sampled, steps=steps
+        )
+    elif batch.sampled_mask is not None or relay_config.wire is Wire.FIXED:
+        raise InvalidInputError(
+            "finish",
+            f"the last stage passed no sampled outputs at step {relay.step} "
+            f"but the batch has {batch.num_reqs} rows to relay",
+            "pass the step's Sampled outputs to finish on the last stage",
+        )
+    ended = steps.end_step(relay_config, relay)
+    yield ended.effects
+    return RankState(relay=ended.state)
+
+
+def _broadcast(
+    config: RelayConfig,
+    relay: RelayState,
+    *,
+    batch: BatchFacts,
+    io: StepIO[T],
+    sampled: Sampled[T],
+    steps: RankSteps,
+) -> StepPhase[RelayState]:
+    inputs = config.inputs
+    io.bind(inputs.sampled_tokens, sampled.tokens)
+    io.bind(inputs.num_sampled, sampled.num_sampled)
+    io.bind(inputs.num_rejected, sampled.num_rejected)
+    drafts = None
+    if config.num_speculative_steps:
+        if sampled.draft_table is None:
+            raise InvalidInputError(
+                "finish",
+                "no draft table with num_speculative_steps > 0",
+                "pass Sampled(draft_table=...) on the last stage when speculating",
+            )
+        io.bind(inputs.draft_table, sampled.draft_table)
+        drafts = io.spec(inputs.draft_table)
+    tokens = io.spec(inputs.sampled_tokens)
+    if config.wire is Wire.SEED:
+        sent = steps.broadcast_sampled(config, relay, batch, tokens)
+        yield sent.effects
+        relay = sent.state
+        if drafts is not None:
+            sent = steps.broadcast_drafts(config, relay, batch, drafts)
+            yield sent.effects
+            relay = sent.state
+        return relay
+    sent = steps.broadcast_sampled(config, relay, batch, tokens, drafts)
+    yield sent.effects
+    return sent.state
+
+
+def perform_phase(phase: StepPhase[R], interpreter: Interpreter) -> R:
+    """Perform every effect tuple `phase` yields on `interpreter`; return its answer."""
+    try:
+        effects = next(phase)
+        while True:
+            if effects:
+                interpreter.perform(effects)
+            effects = phase.send(None)
+    except StopIteration as done:
+        answer: R = done.value
+        return answer
+
+
+class RankDriver(Generic[T]):
+    """Runs the rank-step phases at once on one interpreter. An embedder's loop:
+
+    begun = driver.begin(state)              # read begun.consumed through the interpreter
+    agreed = driver.agree(begun, batch, shape, freed=slots)
+    ...forward at agreed.descriptor...
+    state = driver.finish(agreed, sampled)   # Sampled(...) on the last stage, else None
+    """
+
+    def __init__(
+        self,
+        config: RankConfig,
+        interpreter: Interpreter,
+        io: StepIO[T],
+        steps: RankSteps = REAL_STEPS,
+    ) -> None:
+        self.config = config
+        self.interpreter = interpreter
+        self.io = io
+        self.steps = steps
+
+    def begin(self, state: RankState) -> Begun:
+        return perform_phase(begin(self.config, state, self.steps), self.interpreter)
+
+    def agree(
+        self,
+        begun: Begun,
+        batch: BatchFacts,
+        shape: ShapeFacts,
+        *,
+        freed: Sequence[int] | npt.NDArray[np.integer] = (),
+    ) -> Agreed:
+        return perform_phase(
+            agree(self.config, begun, batch, shape, self.io, freed=freed, steps=self.steps),
+            self.interpreter,
+        )
+
+    def finish(self, agreed: Agreed, sampled: Sampled[T] | None = None) -> RankState:
+        phase = finish(self.config, agreed, self.io, sampled, self.steps)
+        return perform_phase(phase, self.interpreter)
