@@ -95,9 +95,19 @@ def groups() -> Iterator[dict[Communicator, dist.ProcessGroup]]:
             dist.destroy_process_group()
 
 
+@pytest.fixture(params=[False, True], ids=["fast", "checked"])
+def interp(
+    groups: dict[Communicator, dist.ProcessGroup], request: pytest.FixtureRequest
+) -> TorchInterpreter:
+    """Both modes: every test of semantics holds in each."""
+    checked: bool = request.param
+    return TorchInterpreter(device=CPU, groups=groups, rank=0, checked=checked)
+
+
 @pytest.fixture
-def interp(groups: dict[Communicator, dist.ProcessGroup]) -> TorchInterpreter:
-    return TorchInterpreter(device=CPU, groups=groups, rank=0)
+def checked(groups: dict[Communicator, dist.ProcessGroup]) -> TorchInterpreter:
+    """Checked mode: layout errors are named before anything changes."""
+    return TorchInterpreter(device=CPU, groups=groups, rank=0, checked=True)
 
 
 def values(tensor: torch.Tensor) -> npt.NDArray[np.int64]:
@@ -112,7 +122,7 @@ def int64(rows: list[list[int]]) -> torch.Tensor:
 
 
 def test_torch_dtype_maps_every_vocabulary_dtype() -> None:
-    assert [torch_dtype(d) for d in DType] == [torch.int64, torch.int32, torch.bool]
+    assert [torch_dtype(d) for d in DType] == [torch.int64, torch.int32]
 
 
 def test_build_communicators_gives_the_relay_its_own_group(
@@ -297,12 +307,12 @@ def test_pad_columns_snapshots_even_at_full_width(interp: TorchInterpreter) -> N
 
 @pytest.mark.parametrize("shape", [(2, 4), (4,)])
 def test_pad_columns_rejects_a_source_it_cannot_pad(
-    interp: TorchInterpreter, shape: tuple[int, ...]
+    checked: TorchInterpreter, shape: tuple[int, ...]
 ) -> None:
-    interp.bind(A, torch.zeros(shape, dtype=torch.int64))
+    checked.bind(A, torch.zeros(shape, dtype=torch.int64))
     with pytest.raises(InterpreterError, match="cannot pad to width 3"):
-        interp.perform((PadColumns(**TAG, source=A, out=B, width=3, fill=0, stream=Stream.RELAY),))
-    assert B not in interp.bound_refs()
+        checked.perform((PadColumns(**TAG, source=A, out=B, width=3, fill=0, stream=Stream.RELAY),))
+    assert B not in checked.bound_refs()
 
 
 def test_stack_rows_stacks_equal_rows(interp: TorchInterpreter) -> None:
@@ -313,11 +323,11 @@ def test_stack_rows_stacks_equal_rows(interp: TorchInterpreter) -> None:
     assert interp.tensor(C).dtype == torch.int32
 
 
-def test_stack_rows_rejects_unequal_rows(interp: TorchInterpreter) -> None:
-    interp.bind(A, torch.zeros(3, dtype=torch.int32))
-    interp.bind(B, torch.zeros(2, dtype=torch.int32))
+def test_stack_rows_rejects_unequal_rows(checked: TorchInterpreter) -> None:
+    checked.bind(A, torch.zeros(3, dtype=torch.int32))
+    checked.bind(B, torch.zeros(2, dtype=torch.int32))
     with pytest.raises(InterpreterError, match="1-D buffers of equal length and dtype"):
-        interp.perform((StackRows(**TAG, sources=(A, B), out=C, stream=Stream.RELAY),))
+        checked.perform((StackRows(**TAG, sources=(A, B), out=C, stream=Stream.RELAY),))
 
 
 @settings(max_examples=50, deadline=None)
@@ -356,22 +366,22 @@ def test_scatter_rows_writes_kept_rows_in_place_and_skips_minus_one(
 
 
 def test_scatter_rows_rejects_mismatched_rows_and_leaves_the_target(
-    interp: TorchInterpreter,
+    checked: TorchInterpreter,
 ) -> None:
     target = torch.zeros((4, 2), dtype=torch.int64)
-    interp.bind(A, torch.ones((2, 3), dtype=torch.int64))
-    interp.bind(B, torch.tensor([0, 1], dtype=torch.int32))
-    interp.bind(C, target)
+    checked.bind(A, torch.ones((2, 3), dtype=torch.int64))
+    checked.bind(B, torch.tensor([0, 1], dtype=torch.int32))
+    checked.bind(C, target)
     with pytest.raises(InterpreterError, match="one source row per index entry"):
-        interp.perform((ScatterRows(**TAG, source=A, index=B, target=C, stream=Stream.MAIN),))
+        checked.perform((ScatterRows(**TAG, source=A, index=B, target=C, stream=Stream.MAIN),))
     assert target.tolist() == [[0, 0]] * 4
 
 
-def test_a_float_index_is_rejected(interp: TorchInterpreter) -> None:
-    interp.bind(A, torch.zeros((2, 2), dtype=torch.int64))
-    interp.bind(B, torch.zeros(2, dtype=torch.float32))
+def test_a_float_index_is_rejected(checked: TorchInterpreter) -> None:
+    checked.bind(A, torch.zeros((2, 2), dtype=torch.int64))
+    checked.bind(B, torch.zeros(2, dtype=torch.float32))
     with pytest.raises(InterpreterError, match="1-D int32 or int64 index"):
-        interp.perform((GatherRows(**TAG, source=A, index=B, out=C, stream=Stream.MAIN),))
+        checked.perform((GatherRows(**TAG, source=A, index=B, out=C, stream=Stream.MAIN),))
 
 
 # ---- collectives on a single-rank gloo world --------------------------------------------
@@ -412,10 +422,10 @@ def test_broadcast_rejects_a_source_outside_the_communicator(interp: TorchInterp
         interp.perform((broadcast(A, (1, 2), DType.INT64, src=3),))
 
 
-def test_broadcast_rejects_a_non_contiguous_buffer(interp: TorchInterpreter) -> None:
-    interp.bind(A, int64([[1, 2], [3, 4]])[:, 0])
+def test_broadcast_rejects_a_non_contiguous_buffer(checked: TorchInterpreter) -> None:
+    checked.bind(A, int64([[1, 2], [3, 4]])[:, 0])
     with pytest.raises(InterpreterError, match="not contiguous"):
-        interp.perform((broadcast(A, (2,), DType.INT64),))
+        checked.perform((broadcast(A, (2,), DType.INT64),))
 
 
 def test_a_communicator_without_a_group_is_an_error(

@@ -34,6 +34,7 @@ work; the table of an asynchronous all-reduce is unreadable until its `WaitWork`
 
 from __future__ import annotations
 
+import math
 import typing
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -43,6 +44,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from purepp.effects._environment import Environment, itemsize
 from purepp.effects.vocabulary import (
     Alias,
     Allocate,
@@ -57,13 +59,17 @@ from purepp.effects.vocabulary import (
     ForgetEvent,
     GatherRows,
     Op,
+    Pack,
     PadColumns,
     RecordEvent,
     RecordStream,
     Release,
     ScatterRows,
+    Section,
     StackRows,
     Stream,
+    Synchronize,
+    Unpack,
     WaitEvent,
     WaitStream,
     WaitWork,
@@ -80,6 +86,7 @@ __all__ = [
     "Stall",
     "describe_effect",
     "numpy_dtype",
+    "section_view",
 ]
 
 # Fill of fresh buffers and of memory reused too early: negative, so never a token id,
@@ -96,8 +103,6 @@ def numpy_dtype(dtype: DType) -> np.dtype[Any]:
             return np.dtype(np.int64)
         case DType.INT32:
             return np.dtype(np.int32)
-        case DType.BOOL:
-            return np.dtype(np.bool_)
         case _:
             typing.assert_never(dtype)
 
@@ -140,14 +145,16 @@ def describe_effect(effect: Effect) -> str:
             return f"gather_rows({effect.source.name!r} -> {effect.out.name!r})"
         case ScatterRows():
             return f"scatter_rows({effect.source.name!r} -> {effect.target.name!r})"
+        case Synchronize():
+            return f"synchronize({effect.stream.value})"
+        case Pack():
+            sources = ", ".join(repr(s.buffer.name) for s in effect.sections)
+            return f"pack({sources} -> {effect.out.name!r})"
+        case Unpack():
+            views = ", ".join(repr(s.buffer.name) for s in effect.sections)
+            return f"unpack({effect.source.name!r} -> {views})"
         case _:
             typing.assert_never(effect)
-
-
-def _call(effect: Effect) -> str:
-    return (
-        f"NumpyInterpreter.perform({type(effect).__name__} step={effect.step} op={effect.op.value})"
-    )
 
 
 class PostedCollective:
@@ -187,7 +194,7 @@ class _SoloPort:
         effect = posted.effect
         if isinstance(effect, Broadcast) and effect.src != self._rank:
             raise InterpreterError(
-                _call(effect),
+                _describe(effect),
                 f"broadcast from rank {effect.src} in the lone interpreter of rank {self._rank}",
                 "run multi-rank programs in purepp.effects.simulator.simulate",
             )
@@ -200,13 +207,18 @@ class _SoloPort:
 
 
 class _Buffer:
-    """A tensor's memory: its array, the pool it belongs to, and who still uses it."""
+    """A tensor's memory: its array, the pool it belongs to, and who still uses it.
 
-    def __init__(self, array: Array, home: Stream) -> None:
-        self.array = array  # the live contents
+    A view (Unpack) is a `_Buffer` of its own array that shares its base's `memory`:
+    names, uses and RecordStream marks count on the memory, as torch's storage would.
+    """
+
+    def __init__(self, array: Array, home: Stream, base: _Buffer | None = None) -> None:
+        self.array = array  # the live contents (a view of `memory.array` for a view)
+        self.memory: _Buffer = self if base is None else base.memory  # what is allocated
         self.home = home  # the stream whose allocation pool owns the memory
         self.recorded: set[Stream] = set()  # streams named by RecordStream
-        self.names = 0  # environment names bound to it
+        self.names = 0  # environment names bound to it (and to its views)
         self.pending: Counter[Stream] = Counter()  # queued, unfinished effects using it, by stream
 
 
@@ -301,10 +313,9 @@ class NumpyInterpreter:
         self._rank = rank
         self._port: CollectivePort = _SoloPort(rank) if port is None else port
         self._fill = fill
-        self._buffers: dict[BufferRef, _Buffer] = {}
-        self._events: dict[EventRef, _EventMark] = {}
-        self._works: dict[WorkRef, tuple[PostedCollective, BufferRef]] = {}
-        self._pending_results: dict[BufferRef, WorkRef] = {}
+        self._env: Environment[_Buffer, _EventMark, PostedCollective] = Environment(
+            "NumpyInterpreter"
+        )
         self._lanes: dict[Stream, _Lane] = {stream: _Lane() for stream in Stream}
         self._violations: list[LifetimeViolation] = []
 
@@ -321,20 +332,14 @@ class NumpyInterpreter:
         (ScatterRows) are visible to the caller; anything else is copied first.
         """
         call = "NumpyInterpreter.bind"
-        if ref in self._pending_results:
-            raise InterpreterError(
-                call,
-                f"buffer {ref.name!r} is being written by all-reduce "
-                f"{self._pending_results[ref].name!r}",
-                "perform its WaitWork before rebinding the name",
-            )
+        self._env.check_rebindable(call, ref)
         value = np.asarray(array)
         allowed = {numpy_dtype(d) for d in DType}
         if value.dtype not in allowed:
             raise InvalidInputError(
                 call,
                 f"array for {ref.name!r} has dtype {value.dtype}",
-                "bind int64, int32 or bool arrays",
+                "bind int64 or int32 arrays",
             )
         if not (value.flags.writeable and value.flags.c_contiguous):
             value = np.array(value, copy=True, order="C")
@@ -342,11 +347,11 @@ class NumpyInterpreter:
 
     def tensor(self, ref: BufferRef) -> Array:
         """The live array bound to `ref`."""
-        return self._lookup("NumpyInterpreter.tensor", ref).array
+        return self._env.lookup("NumpyInterpreter.tensor", ref).array
 
     def host_array(self, ref: BufferRef) -> Array:
         """A read-only copy of the array bound to `ref` (e.g. the reduced DP table)."""
-        copy = np.array(self._lookup("NumpyInterpreter.host_array", ref).array, copy=True)
+        copy = np.array(self._env.lookup("NumpyInterpreter.host_array", ref).array, copy=True)
         copy.flags.writeable = False
         return copy
 
@@ -355,23 +360,15 @@ class NumpyInterpreter:
 
         Walks attrs instances, tuples and lists, as the torch interpreter's `resolve`.
         """
-        found: dict[str, Array] = {}
-        self._collect(value, "", found)
-        return found
+        return self._env.resolve(value, _array)
 
     def bound_refs(self) -> frozenset[BufferRef | EventRef | WorkRef]:
         """Every name the environment holds now."""
-        return frozenset((*self._buffers, *self._events, *self._works))
+        return self._env.bound_refs()
 
     def event_completed(self, event: EventRef) -> bool:
         """Whether every effect queued before `event` was recorded has run."""
-        mark = self._events.get(event)
-        if mark is None:
-            raise InterpreterError(
-                "NumpyInterpreter.event_completed",
-                f"event {event.name!r} is not recorded (or was already waited on)",
-                "ask about an event that is recorded and not yet consumed",
-            )
+        mark = self._env.recorded_event("NumpyInterpreter.event_completed", event)
         return self._lanes[mark.stream].ran >= mark.target
 
     @property
@@ -386,7 +383,7 @@ class NumpyInterpreter:
             if self.host_blocked():
                 stall = self.stalls()[0]
                 raise InterpreterError(
-                    _call(effect),
+                    _describe(effect),
                     f"the host waits on {describe_effect(stall.effect)}, which needs other ranks",
                     "run multi-rank programs in purepp.effects.simulator.simulate",
                 )
@@ -406,7 +403,7 @@ class NumpyInterpreter:
         if self.host_blocked():
             head = self._lanes[Stream.MAIN].queue[0].effect
             raise InterpreterError(
-                _call(effect),
+                _describe(effect),
                 f"the host is still waiting on {describe_effect(head)}",
                 "issue the next effect only once the host is unblocked (see host_blocked())",
             )
@@ -423,7 +420,7 @@ class NumpyInterpreter:
                 while lane.queue and self._try_run(lane.queue[0]):
                     done = lane.queue.popleft()
                     for buffer in done.touches:
-                        buffer.pending[stream] -= 1
+                        buffer.memory.pending[stream] -= 1
                     lane.ran += 1
                     moved = progressed = True
         return progressed
@@ -438,7 +435,7 @@ class NumpyInterpreter:
 
     def unfinished_works(self) -> tuple[PostedCollective, ...]:
         """Asynchronous all-reduces issued and not yet waited on."""
-        return tuple(posted for posted, _ in self._works.values())
+        return tuple(posted for posted, _ in self._env.works.values())
 
     # ---- dispatch ------------------------------------------------------------------------
 
@@ -466,13 +463,13 @@ class NumpyInterpreter:
             case WaitWork():
                 self._wait_work(effect)
             case RecordStream():
-                self._lookup(_call(effect), effect.buffer).recorded.add(effect.stream)
+                self._env.lookup(effect, effect.buffer).memory.recorded.add(effect.stream)
             case Release():
-                self._lookup(_call(effect), effect.buffer)
+                self._env.lookup(effect, effect.buffer)
                 self._unbind(effect.buffer, step=effect.step, op=effect.op)
             case Alias():
-                buffer = self._lookup(_call(effect), effect.source)
-                self._check_unbound(_call(effect), effect.out)
+                buffer = self._env.lookup(effect, effect.source)
+                self._env.check_unbound(effect, effect.out)
                 self._set(effect.out, buffer, step=effect.step, op=effect.op)
             case PadColumns():
                 self._pad_columns(effect)
@@ -482,59 +479,27 @@ class NumpyInterpreter:
                 self._gather_rows(effect)
             case ScatterRows():
                 self._scatter_rows(effect)
+            case Synchronize():
+                # The host waits with the main stream until `stream` has run what it holds.
+                target = self._lanes[effect.stream].issued
+                self._queue(Stream.MAIN, _StreamWait(effect, effect.stream, target))
+            case Pack():
+                self._pack(effect)
+            case Unpack():
+                self._unpack(effect)
             case _:
                 typing.assert_never(effect)
 
     # ---- environment helpers -------------------------------------------------------------
 
-    def _collect(self, value: object, path: str, found: dict[str, Array]) -> None:
-        if isinstance(value, BufferRef):
-            found[path] = self._lookup("NumpyInterpreter.resolve", value).array
-            return
-        if isinstance(value, tuple | list):
-            for i, item in enumerate(value):
-                self._collect(item, f"{path}[{i}]", found)
-            return
-        cls = type(value)
-        if attrs.has(cls):
-            for field in attrs.fields(cls):
-                name = f"{path}.{field.name}" if path else field.name
-                self._collect(getattr(value, field.name), name, found)
-
-    def _lookup(self, call: str, ref: BufferRef) -> _Buffer:
-        if ref in self._pending_results:
-            raise InterpreterError(
-                call,
-                f"buffer {ref.name!r} is the result of all-reduce "
-                f"{self._pending_results[ref].name!r}, which has not been waited on",
-                "perform its WaitWork before reading or releasing the table",
-            )
-        buffer = self._buffers.get(ref)
-        if buffer is None:
-            bound = sorted(b.name for b in self._buffers)
-            raise InterpreterError(
-                call,
-                f"buffer {ref.name!r} is not bound; bound: {bound[:8]}",
-                "allocate or bind it before its first use and release it after its last",
-            )
-        return buffer
-
-    def _check_unbound(self, call: str, ref: BufferRef) -> None:
-        if ref in self._buffers or ref in self._pending_results:
-            raise InterpreterError(
-                call,
-                f"buffer {ref.name!r} is already bound",
-                "release the old buffer first, or name new buffers from the step counter",
-            )
-
     def _set(self, ref: BufferRef, buffer: _Buffer, *, step: int | None, op: Op | None) -> None:
-        if ref in self._buffers:
+        if ref in self._env.buffers:
             self._unbind(ref, step=step, op=op)
-        buffer.names += 1
-        self._buffers[ref] = buffer
+        buffer.memory.names += 1
+        self._env.buffers[ref] = buffer
 
     def _unbind(self, ref: BufferRef, *, step: int | None, op: Op | None) -> None:
-        buffer = self._buffers.pop(ref)
+        buffer = self._env.buffers.pop(ref).memory
         buffer.names -= 1
         if buffer.names:
             return
@@ -555,7 +520,7 @@ class NumpyInterpreter:
     def _queue(self, stream: Stream, item: _Queued) -> None:
         lane = self._lanes[stream]
         for buffer in item.touches:
-            buffer.pending[stream] += 1
+            buffer.memory.pending[stream] += 1
         lane.queue.append(item)
         lane.issued += 1
 
@@ -595,49 +560,30 @@ class NumpyInterpreter:
     # ---- streams and events --------------------------------------------------------------
 
     def _record_event(self, effect: RecordEvent) -> None:
-        if effect.event in self._events:
-            raise InterpreterError(
-                _call(effect),
-                f"event {effect.event.name!r} is already recorded and not yet waited on",
-                "record each event once under a fresh name (WaitEvent consumes it)",
-            )
+        self._env.check_recordable(effect, effect.event)
         target = self._lanes[effect.stream].issued
-        self._events[effect.event] = _EventMark(stream=effect.stream, target=target)
+        self._env.record_event(
+            effect, effect.event, _EventMark(stream=effect.stream, target=target)
+        )
 
     def _wait_event(self, effect: WaitEvent) -> None:
-        mark = self._events.pop(effect.event, None)
-        if mark is None:
-            raise InterpreterError(
-                _call(effect),
-                f"event {effect.event.name!r} is not recorded (or was already waited on: "
-                f"WaitEvent consumes its event); recorded: {sorted(e.name for e in self._events)}",
-                "record the event before waiting on it, and wait on it once",
-            )
+        mark = self._env.take_event(effect, effect.event)
         self._queue(effect.stream, _StreamWait(effect, mark.stream, mark.target))
 
     def _forget_event(self, effect: ForgetEvent) -> None:
-        if self._events.pop(effect.event, None) is None:
-            raise InterpreterError(
-                _call(effect),
-                f"event {effect.event.name!r} is not recorded (or was already waited on)",
-                "forget only an event that was recorded and never waited on",
-            )
+        self._env.forget_event(effect, effect.event)
 
     # ---- buffers -------------------------------------------------------------------------
 
     def _allocate(self, effect: Allocate) -> None:
-        call = _call(effect)
-        self._check_unbound(call, effect.buffer)
-        if any(size < 0 for size in effect.shape):
-            raise InterpreterError(
-                call, f"shape {effect.shape} of {effect.buffer.name!r}", "use sizes >= 0"
-            )
+        self._env.check_unbound(effect, effect.buffer)
+        self._env.check_sizes(effect, effect.buffer, effect.shape)
         buffer = self._fresh(effect.shape, numpy_dtype(effect.dtype), effect.stream)
         self._set(effect.buffer, buffer, step=effect.step, op=effect.op)
         self._queue(effect.stream, _Kernel(effect, _nothing, (buffer,)))
 
     def _copy_host_to_device(self, effect: CopyHostToDevice) -> None:
-        self._check_unbound(_call(effect), effect.buffer)
+        self._env.check_unbound(effect, effect.buffer)
         source = effect.source  # read-only: safe to read whenever the copy runs
         out = self._fresh(source.shape, np.dtype(np.int32), effect.stream)
         self._set(effect.buffer, out, step=effect.step, op=effect.op)
@@ -650,38 +596,36 @@ class NumpyInterpreter:
     # ---- collectives ---------------------------------------------------------------------
 
     def _broadcast(self, effect: Broadcast) -> None:
-        call = _call(effect)
-        buffer = self._lookup(call, effect.buffer)
-        wire = numpy_dtype(effect.dtype)
-        # NCCL does not check sizes: a wrong shape would hang every rank, so check here.
-        if buffer.array.shape != effect.shape or buffer.array.dtype != wire:
-            raise InterpreterError(
-                call,
-                f"buffer {effect.buffer.name!r} is {buffer.array.dtype} {buffer.array.shape} "
-                f"but the wire is {wire} {effect.shape}",
-                "bind a buffer of the declared wire shape and dtype",
-            )
+        buffer = self._env.lookup(effect, effect.buffer)
+        self._env.check_wire(
+            effect,
+            ref=effect.buffer,
+            shape=buffer.array.shape,
+            dtype=buffer.array.dtype,
+            wire=effect.shape,
+            wire_dtype=numpy_dtype(effect.dtype),
+        )
         posted = PostedCollective(self._rank, effect, buffer.array)
         self._port.post(posted)
         self._queue(effect.stream, _CollectiveStep(effect, posted, (buffer,)))
 
     def _check_header(self, effect: CheckHeader) -> None:
-        call = _call(effect)
-        received = self._lookup(call, effect.buffer)
+        received = self._env.lookup(effect, effect.buffer)
         expected = effect.expected
-        if received.array.shape != expected.shape or received.array.dtype != np.int32:
-            raise InterpreterError(
-                call,
-                f"header {effect.buffer.name!r} is {received.array.dtype} "
-                f"{received.array.shape} but the expected header is int32 {expected.shape}",
-                "check an int32 header of the expected length",
-            )
+        self._env.check_header(
+            effect,
+            ref=effect.buffer,
+            shape=received.array.shape,
+            dtype=received.array.dtype,
+            expected=expected.shape,
+            int32=np.dtype(np.int32),
+        )
 
         def run() -> None:
             # Runs once the header's broadcast has completed, as the device kernel would.
             if not np.array_equal(received.array, expected):
                 raise HeaderMismatchError(
-                    call,
+                    _describe(effect),
                     rank=self._rank,
                     step=effect.step,
                     expected=tuple(int(v) for v in expected.tolist()),
@@ -691,14 +635,9 @@ class NumpyInterpreter:
         self._queue(effect.stream, _Kernel(effect, run, (received,)))
 
     def _all_reduce(self, effect: AllReduce) -> None:
-        call = _call(effect)
-        self._check_unbound(call, effect.result)
-        if effect.work is not None and effect.work in self._works:
-            raise InterpreterError(
-                call,
-                f"work {effect.work.name!r} is already in flight",
-                "wait on it before reusing its name",
-            )
+        self._env.check_unbound(effect, effect.result)
+        if effect.work is not None:
+            self._env.check_work_free(effect, effect.work)
         table = _Buffer(np.array(effect.contribution, dtype=np.int32, copy=True), Stream.MAIN)
         self._set(effect.result, table, step=effect.step, op=effect.op)
         posted = PostedCollective(self._rank, effect, table.array)
@@ -707,39 +646,23 @@ class NumpyInterpreter:
             # Synchronous on the CPU group: the host waits for it.
             self._queue(Stream.MAIN, _CollectiveStep(effect, posted, ()))
             return
-        self._works[effect.work] = (posted, effect.result)
-        self._pending_results[effect.result] = effect.work
+        self._env.start_work(effect.work, posted, effect.result)
         # Gloo runs it on its own thread: it never waits behind a stream.
         posted.at_head = True
         self._port.reach_head(posted)
 
     def _wait_work(self, effect: WaitWork) -> None:
-        entry = self._works.pop(effect.work, None)
-        if entry is None:
-            raise InterpreterError(
-                _call(effect),
-                f"work {effect.work.name!r} is not in flight (or was already waited on: "
-                f"WaitWork consumes its handle); in flight: {sorted(w.name for w in self._works)}",
-                "issue an AllReduce with this work name first, and wait on it once",
-            )
-        posted, result = entry
-        del self._pending_results[result]
+        posted, _ = self._env.work(effect, effect.work)
+        self._env.end_work(effect.work)
         self._queue(Stream.MAIN, _WorkWait(effect, posted))
 
     # ---- device-side data moves ------------------------------------------------------------
 
     def _pad_columns(self, effect: PadColumns) -> None:
-        call = _call(effect)
-        source = self._lookup(call, effect.source)
-        self._check_unbound(call, effect.out)
+        source = self._env.lookup(effect, effect.source)
+        self._env.check_unbound(effect, effect.out)
         shape = source.array.shape
-        if len(shape) != 2 or shape[1] > effect.width:
-            raise InterpreterError(
-                call,
-                f"buffer {effect.source.name!r} has shape {shape}, cannot pad to width "
-                f"{effect.width}",
-                "pad a 2-D buffer at most `width` columns wide",
-            )
+        self._env.check_pad(effect, effect.source, shape, effect.width)
         out = self._fresh((shape[0], effect.width), source.array.dtype, effect.stream)
         self._set(effect.out, out, step=effect.step, op=effect.op)
         columns = shape[1]
@@ -751,17 +674,10 @@ class NumpyInterpreter:
         self._queue(effect.stream, _Kernel(effect, run, (source, out)))
 
     def _stack_rows(self, effect: StackRows) -> None:
-        call = _call(effect)
-        sources = [self._lookup(call, ref) for ref in effect.sources]
-        self._check_unbound(call, effect.out)
-        layouts = {(b.array.shape, b.array.dtype) for b in sources}
-        if not sources or len(layouts) != 1 or sources[0].array.ndim != 1:
-            shapes = [f"{b.array.dtype} {b.array.shape}" for b in sources]
-            raise InterpreterError(
-                call,
-                f"sources {[r.name for r in effect.sources]} are {shapes}",
-                "stack one or more 1-D buffers of equal length and dtype",
-            )
+        sources = [self._env.lookup(effect, ref) for ref in effect.sources]
+        self._env.check_unbound(effect, effect.out)
+        layouts = [(b.array.shape, b.array.dtype) for b in sources]
+        self._env.check_stack(effect, effect.sources, layouts)
         first = sources[0].array
         out = self._fresh((len(sources), first.shape[0]), first.dtype, effect.stream)
         self._set(effect.out, out, step=effect.step, op=effect.op)
@@ -772,24 +688,18 @@ class NumpyInterpreter:
 
         self._queue(effect.stream, _Kernel(effect, run, (*sources, out)))
 
-    def _check_index(self, call: str, ref: BufferRef, index: Array) -> None:
-        if index.ndim != 1 or index.dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
-            raise InterpreterError(
-                call,
-                f"index {ref.name!r} is {index.dtype} {index.shape}",
-                "pass a 1-D int32 or int64 index",
-            )
+    def _index(self, effect: Effect, ref: BufferRef) -> _Buffer:
+        index = self._env.lookup(effect, ref)
+        array = index.array
+        ok = array.dtype in {np.dtype(np.int32), np.dtype(np.int64)}
+        self._env.check_index(effect, ref=ref, shape=array.shape, dtype=array.dtype, ok=ok)
+        return index
 
     def _gather_rows(self, effect: GatherRows) -> None:
-        call = _call(effect)
-        source = self._lookup(call, effect.source)
-        index = self._lookup(call, effect.index)
-        self._check_unbound(call, effect.out)
-        self._check_index(call, effect.index, index.array)
-        if source.array.ndim < 1:
-            raise InterpreterError(
-                call, f"source {effect.source.name!r} is a scalar", "gather from a 1-D+ buffer"
-            )
+        source = self._env.lookup(effect, effect.source)
+        index = self._index(effect, effect.index)
+        self._env.check_unbound(effect, effect.out)
+        self._env.check_gather(effect, effect.source, source.array.shape)
         shape = (index.array.shape[0], *source.array.shape[1:])
         out = self._fresh(shape, source.array.dtype, effect.stream)
         self._set(effect.out, out, step=effect.step, op=effect.op)
@@ -798,8 +708,8 @@ class NumpyInterpreter:
             rows = source.array.shape[0]
             bad = index.array[(index.array < 0) | (index.array >= rows)]
             if bad.size:
-                raise InterpreterError(
-                    call,
+                self._env.fail(
+                    effect,
                     f"index {effect.index.name!r} holds row {int(bad[0])} of a "
                     f"{rows}-row source {effect.source.name!r}",
                     "gather rows 0..rows-1 only (a device kernel would fault)",
@@ -809,34 +719,26 @@ class NumpyInterpreter:
         self._queue(effect.stream, _Kernel(effect, run, (source, index, out)))
 
     def _scatter_rows(self, effect: ScatterRows) -> None:
-        call = _call(effect)
-        source = self._lookup(call, effect.source)
-        index = self._lookup(call, effect.index)
-        target = self._lookup(call, effect.target)
-        self._check_index(call, effect.index, index.array)
+        source = self._env.lookup(effect, effect.source)
+        index = self._index(effect, effect.index)
+        target = self._env.lookup(effect, effect.target)
         s, t = source.array, target.array
-        if s.ndim < 1 or s.shape[0] != index.array.shape[0] or s.shape[1:] != t.shape[1:]:
-            raise InterpreterError(
-                call,
-                f"source {effect.source.name!r} {s.dtype} {s.shape}, index "
-                f"{index.array.shape}, target {effect.target.name!r} {t.dtype} {t.shape}",
-                "pass one source row per index entry, with the target's row shape and dtype",
-            )
-        if s.dtype != t.dtype:
-            raise InterpreterError(
-                call,
-                f"source {effect.source.name!r} is {s.dtype} but target "
-                f"{effect.target.name!r} is {t.dtype}",
-                "scatter rows of the target's dtype",
-            )
+        self._env.check_scatter(
+            effect,
+            source_ref=effect.source,
+            target_ref=effect.target,
+            source=(s.shape, s.dtype),
+            index=index.array.shape,
+            target=(t.shape, t.dtype),
+        )
 
         def run() -> None:
             rows = target.array.shape[0]
             slots = index.array
             bad = slots[(slots != -1) & ((slots < 0) | (slots >= rows))]
             if bad.size:
-                raise InterpreterError(
-                    call,
+                self._env.fail(
+                    effect,
                     f"index {effect.index.name!r} holds row {int(bad[0])} of a "
                     f"{rows}-row target {effect.target.name!r}",
                     "scatter to rows 0..rows-1, or -1 to skip a row",
@@ -845,6 +747,52 @@ class NumpyInterpreter:
             target.array[slots[keep]] = source.array[keep]
 
         self._queue(effect.stream, _Kernel(effect, run, (source, index, target)))
+
+    def _pack(self, effect: Pack) -> None:
+        sources = [self._env.lookup(effect, section.buffer) for section in effect.sections]
+        self._env.check_unbound(effect, effect.out)
+        layouts = [(b.array.shape, b.array.dtype) for b in sources]
+        wanted = [numpy_dtype(section.dtype) for section in effect.sections]
+        self._env.check_pack(effect, layouts, wanted)
+        out = self._fresh((effect.nbytes // 8,), np.dtype(np.int64), effect.stream)
+        self._set(effect.out, out, step=effect.step, op=effect.op)
+        sections = effect.sections
+
+        def run() -> None:
+            out.array[...] = 0
+            for section, source in zip(sections, sources, strict=True):
+                region = section_view(out.array, section)
+                region[tuple(slice(0, size) for size in source.array.shape)] = source.array
+
+        self._queue(effect.stream, _Kernel(effect, run, (*sources, out)))
+
+    def _unpack(self, effect: Unpack) -> None:
+        source = self._env.lookup(effect, effect.source)
+        array = source.array
+        self._env.check_unpack(effect, array.nbytes, array.flags.c_contiguous)
+        for section in effect.sections:
+            self._env.check_unbound(effect, section.buffer)
+        # Views queue no work: each reads whatever the source holds when it is used.
+        for section in effect.sections:
+            view = _Buffer(section_view(array, section), source.memory.home, base=source)
+            self._set(section.buffer, view, step=effect.step, op=effect.op)
+
+
+def section_view(packed: Array, section: Section) -> Array:
+    """The region of the contiguous `packed` array that `section` names, as a view."""
+    size = math.prod(section.shape) * itemsize(section.dtype)
+    raw = packed.reshape(-1).view(np.uint8)[section.offset : section.offset + size]
+    return raw.view(numpy_dtype(section.dtype)).reshape(section.shape)
+
+
+def _describe(effect: Effect) -> str:
+    return (
+        f"NumpyInterpreter.perform({type(effect).__name__} step={effect.step} op={effect.op.value})"
+    )
+
+
+def _array(buffer: _Buffer) -> Array:
+    return buffer.array
 
 
 def _nothing() -> None:

@@ -32,11 +32,11 @@ consume their event or work handle, which is recorded once and waited on once.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
+import math
 import typing
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, TypeAlias
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import attrs
 import numpy as np
@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from purepp.effects._environment import Call, Environment, itemsize
 from purepp.effects.vocabulary import (
     Alias,
     Allocate,
@@ -59,13 +60,17 @@ from purepp.effects.vocabulary import (
     EventRef,
     ForgetEvent,
     GatherRows,
+    Pack,
     PadColumns,
     RecordEvent,
     RecordStream,
     Release,
     ScatterRows,
+    Section,
     StackRows,
     Stream,
+    Synchronize,
+    Unpack,
     WaitEvent,
     WaitStream,
     WaitWork,
@@ -73,18 +78,20 @@ from purepp.effects.vocabulary import (
 )
 from purepp.errors import ConfigError, HeaderMismatchError, InterpreterError, PeerFailureError
 
+if TYPE_CHECKING:
+    from purepp.effects.plan import Planner
+
 __all__ = [
     "Backend",
     "TorchInterpreter",
     "build_communicators",
     "init_distributed",
+    "scatter_rows",
+    "section_view",
     "torch_dtype",
 ]
 
 Backend: TypeAlias = Literal["nccl", "gloo"]
-
-# How many bound names an "is not bound" error lists, so the message stays readable.
-_NAMES_SHOWN = 8
 
 
 def torch_dtype(dtype: DType) -> torch.dtype:
@@ -94,8 +101,6 @@ def torch_dtype(dtype: DType) -> torch.dtype:
             return torch.int64
         case DType.INT32:
             return torch.int32
-        case DType.BOOL:
-            return torch.bool
         case _:
             typing.assert_never(dtype)
 
@@ -215,8 +220,8 @@ def build_communicators(
     `new_group` is a collective over the whole world, created in one fixed order.
     For each PP group: PP_RELAY, a separate `relay_backend` group over the same ranks
     (so relay traffic never queues behind activations), and PP_CPU (gloo); for each
-    DP group: DP_CPU (gloo). Groups are lists of global ranks; a rank is in at most
-    one PP and one DP group. The result holds only the groups this rank is in.
+    DP group: DP_CPU and DP_DRAFTER_CPU (gloo, the drafter's own lane). Groups are
+    lists of global ranks; a rank is in at most one PP and one DP group. The result holds only the groups this rank is in.
     """
     call = "build_communicators"
     if not dist.is_initialized():
@@ -233,9 +238,8 @@ def build_communicators(
         ):
             created.append((comm, _new_group(ranks, backend, timeout, comm)))
     for ranks in dp:
-        created.append(
-            (Communicator.DP_CPU, _new_group(ranks, "gloo", timeout, Communicator.DP_CPU))
-        )
+        for comm in (Communicator.DP_CPU, Communicator.DP_DRAFTER_CPU):
+            created.append((comm, _new_group(ranks, "gloo", timeout, comm)))
     return {comm: group for comm, group in created if group is not None}
 
 
@@ -256,34 +260,57 @@ _Event: TypeAlias = torch.cuda.Event | _CpuEvent
 
 @attrs.frozen
 class _PendingWork:
-    """An asynchronous all-reduce in flight: its handle and what it is writing."""
+    """An asynchronous all-reduce in flight: torch's handle and its communicator."""
 
-    handle: dist.Work  # torch's handle, waited on by WaitWork
-    result: BufferRef  # the table it reduces into, unreadable until the wait
+    handle: dist.Work  # waited on by WaitWork
     comm: Communicator  # the communicator it runs on, for error messages
 
 
-def _describe(effect: Effect) -> str:
-    return (
-        f"TorchInterpreter.perform({type(effect).__name__} step={effect.step} op={effect.op.value})"
-    )
+_TORCH_DTYPES: dict[DType, torch.dtype] = {d: torch_dtype(d) for d in DType}
+_ITEMSIZE: dict[DType, int] = {d: itemsize(d) for d in DType}
 
 
-def _shown(names: Iterable[str]) -> str:
-    ordered = sorted(names)
-    more = len(ordered) - _NAMES_SHOWN
-    listed = ", ".join(repr(name) for name in ordered[:_NAMES_SHOWN])
-    return f"[{listed}{f', ... {more} more' if more > 0 else ''}]"
+def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    return tuple(tensor.shape)
+
+
+def _layout(tensor: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    return tuple(tensor.shape), tensor.dtype
+
+
+def section_view(packed: torch.Tensor, section: Section) -> torch.Tensor:
+    """The region of the contiguous `packed` buffer that `section` names, as a view."""
+    size = math.prod(section.shape) * _ITEMSIZE[section.dtype]
+    raw = packed.view(torch.uint8)[section.offset : section.offset + size]
+    return raw.view(_TORCH_DTYPES[section.dtype]).view(*section.shape)
+
+
+def _corner(region: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """The top-left corner of `region` that `source` fills."""
+    if region.shape == source.shape:
+        return region
+    return region[tuple(slice(0, size) for size in source.shape)]
 
 
 class TorchInterpreter:
     """Performs effects on one rank: real tensors, CUDA streams, torch.distributed groups.
 
     The caller `bind`s its own tensors before a step and reads results with `tensor`,
-    `host_array` or `resolve` after it. Effects that create a binding (Allocate,
-    CopyHostToDevice, AllReduce, Alias, PadColumns, StackRows, GatherRows,
-    RecordEvent) refuse a name that is already bound: names come from the step
-    counter, so a clash means a buffer was never released.
+    `host_array` or `resolve` after it. Effects that create a binding refuse a name
+    that is already bound: names come from the step counter, so a clash means a
+    buffer was never released.
+
+    Two modes, the same semantics:
+    - fast (the default) checks the environment's names (bound, unbound, recorded, in
+      flight) on every effect, and trusts the layouts the library's pure steps built:
+      the row moves, pack and unpack run without checking shapes and dtypes (torch
+      still raises on an impossible one). The wire layout of a broadcast is always
+      checked, since NCCL would hang on a wrong one.
+    - `checked=True` also validates every effect's layouts before it changes anything:
+      shapes and dtypes of the row moves, pack and unpack sections, contiguity, the
+      broadcast's source rank, the header's layout.
+    `plans=True` lowers each batch structure it meets a second time into a plan (see
+    purepp.effects.plan); `capture=True` (CUDA) also captures plans into CUDA graphs.
     """
 
     def __init__(
@@ -292,9 +319,17 @@ class TorchInterpreter:
         device: torch.device,
         groups: Mapping[Communicator, dist.ProcessGroup],
         rank: int,
+        checked: bool = False,
+        plans: bool = False,
+        capture: bool = False,
+        capture_copies: int = 3,
     ) -> None:
         """`device`: cpu or cuda:N. `groups`: this rank's communicators (see
-        `build_communicators`). `rank`: this process's global rank.
+        `build_communicators`). `rank`: this process's global rank. `checked`: validate
+        every effect's layouts. `plans`: run repeated batch structures as plans.
+        `capture`: capture plans into CUDA graphs (CUDA only; implies `plans`), each
+        in `capture_copies` rotating instances so that outputs kept for that many
+        steps minus one are never overwritten (the relay: ring_depth + 1).
 
         On CUDA, the main stream is the current stream now; the relay gets a new side stream.
         """
@@ -303,6 +338,10 @@ class TorchInterpreter:
             raise ConfigError(call, f"device {device}", "use a cpu or cuda device")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(call, f"device {device} but CUDA is unavailable", "use cpu")
+        if capture and device.type != "cuda":
+            raise ConfigError(call, f"capture=True on device {device}", "capture on a cuda device")
+        if capture_copies < 1:
+            raise ConfigError(call, f"capture_copies={capture_copies}", "pass 1 or more")
         group_ranks: dict[Communicator, tuple[int, ...]] = {}
         for comm, group in groups.items():
             ranks = tuple(dist.get_process_group_ranks(group))
@@ -315,19 +354,49 @@ class TorchInterpreter:
             group_ranks[comm] = ranks
         self._device = device
         self._rank = rank
+        self._checked = checked
         self._groups = dict(groups)
         self._group_ranks = group_ranks
+        # Broadcast options per (communicator, global source rank), built on first use.
+        self._broadcast_options: dict[tuple[Communicator, int], dist.BroadcastOptions] = {}
+        self._all_reduce_options = dist.AllreduceOptions()
+        self._all_reduce_options.reduceOp = dist.ReduceOp.SUM
         self._streams: dict[Stream, torch.cuda.Stream] | None = None
         if device.type == "cuda":
             self._streams = {
                 Stream.MAIN: torch.cuda.current_stream(device),
                 Stream.RELAY: torch.cuda.Stream(device),
             }
-        self._buffers: dict[BufferRef, torch.Tensor] = {}
-        self._events: dict[EventRef, _Event] = {}
-        self._works: dict[WorkRef, _PendingWork] = {}
-        # Tables an async all-reduce is still writing: reading one is an error.
-        self._pending_results: dict[BufferRef, WorkRef] = {}
+        # The stream kernels are queued on now (CUDA); None outside `perform`.
+        self._current: Stream | None = None
+        self.env: Environment[torch.Tensor, _Event, _PendingWork] = Environment("TorchInterpreter")
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            WaitStream: self._wait_stream,
+            RecordEvent: self._record_event,
+            WaitEvent: self._wait_event,
+            ForgetEvent: self._forget_event,
+            Allocate: self._allocate,
+            CopyHostToDevice: self._copy_host_to_device,
+            Broadcast: self._broadcast,
+            CheckHeader: self._check_header,
+            AllReduce: self._all_reduce,
+            WaitWork: self._wait_work,
+            RecordStream: self._record_stream,
+            Release: self._release,
+            Alias: self._alias,
+            PadColumns: self._pad_columns,
+            StackRows: self._stack_rows,
+            GatherRows: self._gather_rows,
+            ScatterRows: self._scatter_rows,
+            Synchronize: self._synchronize,
+            Pack: self._pack,
+            Unpack: self._unpack,
+        }
+        self._planner: Planner | None = None
+        if plans or capture:
+            from purepp.effects.plan import Planner  # the plan module builds on this one
+
+            self._planner = Planner(self, capture=capture, copies=capture_copies)
 
     # ---- the caller's side -------------------------------------------------------------
 
@@ -339,6 +408,15 @@ class TorchInterpreter:
     def rank(self) -> int:
         return self._rank
 
+    @property
+    def checked(self) -> bool:
+        return self._checked
+
+    @property
+    def planner(self) -> Planner | None:
+        """The plan cache (plans=True), for its counters; None in eager mode."""
+        return self._planner
+
     def cuda_stream(self, stream: Stream) -> torch.cuda.Stream:
         """The CUDA stream behind `stream` (MAIN is the stream current at construction)."""
         if self._streams is None:
@@ -349,27 +427,33 @@ class TorchInterpreter:
             )
         return self._streams[stream]
 
+    def group(self, call: Call, comm: Communicator) -> dist.ProcessGroup:
+        """The process group behind `comm`; an error naming `call` if this rank has none."""
+        group = self._groups.get(comm)
+        if group is None:
+            self.env.fail(
+                call,
+                f"communicator {comm.value} has no process group on rank {self._rank} "
+                f"(have {sorted(c.value for c in self._groups)})",
+                "build the interpreter with every communicator the program uses",
+            )
+        return group
+
     def bind(self, ref: BufferRef, tensor: torch.Tensor) -> None:
         """Bind the caller's `tensor` to `ref`, replacing any earlier binding of that name."""
-        if ref in self._pending_results:
-            raise InterpreterError(
-                "TorchInterpreter.bind",
-                f"buffer {ref.name!r} is being written by all-reduce "
-                f"{self._pending_results[ref].name!r}",
-                "perform its WaitWork before rebinding the name",
-            )
-        self._buffers[ref] = tensor
+        self.env.check_rebindable("TorchInterpreter.bind", ref)
+        self.env.buffers[ref] = tensor
 
     def tensor(self, ref: BufferRef) -> torch.Tensor:
         """The tensor bound to `ref`."""
-        return self._lookup("TorchInterpreter.tensor", ref)
+        return self.env.lookup("TorchInterpreter.tensor", ref)
 
     def host_array(self, ref: BufferRef) -> npt.NDArray[Any]:
         """A read-only numpy copy of the tensor bound to `ref` (e.g. the reduced DP table).
 
         Meant for host tensors; on a device tensor this is a device-to-host sync.
         """
-        tensor = self._lookup("TorchInterpreter.host_array", ref)
+        tensor = self.env.lookup("TorchInterpreter.host_array", ref)
         array: npt.NDArray[Any] = np.array(tensor.detach().cpu().numpy(), copy=True)
         array.flags.writeable = False
         return array
@@ -381,122 +465,134 @@ class TorchInterpreter:
         ...}`; a bare BufferRef is the empty path "". Other leaves (ints, arrays, events)
         are skipped, so `resolve(None)` is `{}`.
         """
-        found: dict[str, torch.Tensor] = {}
-        self._collect(value, "", found)
-        return found
+        return self.env.resolve(value, _same)
 
     def bound_refs(self) -> frozenset[BufferRef | EventRef | WorkRef]:
         """Every name the environment holds now (to check that a loop releases what it makes)."""
-        return frozenset((*self._buffers, *self._events, *self._works))
+        return self.env.bound_refs()
 
     def perform(self, effects: Iterable[Effect], /) -> None:
-        """Perform `effects` in order. Each effect is validated before it changes anything."""
-        for effect in effects:
-            self._perform_one(effect)
+        """Perform `effects` in order. Each effect is checked before it changes anything.
 
-    # ---- dispatch ------------------------------------------------------------------------
+        With plans on, a batch (a tuple) whose structure was seen before runs its plan.
+        """
+        if (
+            self._planner is not None
+            and isinstance(effects, tuple)
+            and self._planner.perform(effects)
+        ):
+            return
+        self.perform_eager(effects)
 
-    def _perform_one(self, effect: Effect) -> None:
+    def perform_eager(self, effects: Iterable[Effect], /) -> None:
+        """Perform `effects` one by one (what a plan falls back to)."""
+        handlers = self._handlers
+        checked = self._checked
+        if self._streams is None:
+            for effect in effects:
+                if checked:
+                    self._validate(effect)
+                handlers[type(effect)](effect)
+            return
+        # CUDA: kernels switch the current stream only when theirs differs (one switch per
+        # run of effects on one stream); the caller's current stream comes back at the end.
+        prior = torch.cuda.current_stream(self._device)
+        try:
+            for effect in effects:
+                if checked:
+                    self._validate(effect)
+                handlers[type(effect)](effect)
+        finally:
+            if self._current is not None:
+                self._current = None
+                torch.cuda.set_stream(prior)
+
+    def on_stream(self, stream: Stream) -> None:
+        """Make `stream` current for the kernels that follow (CUDA; inside `perform`)."""
+        if self._streams is not None and self._current is not stream:
+            torch.cuda.set_stream(self._streams[stream])
+            self._current = stream
+
+    # ---- checked mode: every effect's layouts, before it changes anything ---------------
+
+    def _validate(self, effect: Effect) -> None:
+        env = self.env
+        lookup = env.lookup
         match effect:
-            case WaitStream():
-                self._wait_stream(effect)
-            case RecordEvent():
-                self._record_event(effect)
-            case WaitEvent():
-                self._wait_event(effect)
-            case ForgetEvent():
-                self._forget_event(effect)
             case Allocate():
-                self._allocate(effect)
-            case CopyHostToDevice():
-                self._copy_host_to_device(effect)
+                env.check_sizes(effect, effect.buffer, effect.shape)
             case Broadcast():
-                self._broadcast(effect)
-            case CheckHeader():
-                self._check_header(effect)
-            case AllReduce():
-                self._all_reduce(effect)
-            case WaitWork():
-                self._wait_work(effect)
-            case RecordStream():
-                self._record_stream(effect)
-            case Release():
-                self._release(effect)
-            case Alias():
-                self._alias(effect)
+                self.group(effect, effect.comm)
+                tensor = lookup(effect, effect.buffer)
+                ranks = self._group_ranks[effect.comm]
+                if effect.src not in ranks:
+                    env.fail(
+                        effect,
+                        f"source rank {effect.src} is not in communicator {effect.comm.value} "
+                        f"{ranks}",
+                        "broadcast from a global rank of the communicator",
+                    )
+                env.check_contiguous(effect, effect.buffer, tensor.is_contiguous())
             case PadColumns():
-                self._pad_columns(effect)
+                env.check_pad(
+                    effect, effect.source, _shape(lookup(effect, effect.source)), effect.width
+                )
             case StackRows():
-                self._stack_rows(effect)
+                layouts = [_layout(lookup(effect, ref)) for ref in effect.sources]
+                env.check_stack(effect, effect.sources, layouts)
             case GatherRows():
-                self._gather_rows(effect)
+                source = lookup(effect, effect.source)
+                self._check_index(effect, effect.index)
+                env.check_gather(effect, effect.source, _shape(source))
             case ScatterRows():
-                self._scatter_rows(effect)
+                source = lookup(effect, effect.source)
+                index = self._check_index(effect, effect.index)
+                target = lookup(effect, effect.target)
+                env.check_scatter(
+                    effect,
+                    source_ref=effect.source,
+                    target_ref=effect.target,
+                    source=_layout(source),
+                    index=_shape(index),
+                    target=_layout(target),
+                )
+            case Pack():
+                sources = [_layout(lookup(effect, s.buffer)) for s in effect.sections]
+                wanted = [_TORCH_DTYPES[s.dtype] for s in effect.sections]
+                env.check_pack(effect, sources, wanted)
+            case Unpack():
+                source = lookup(effect, effect.source)
+                nbytes = source.numel() * source.dtype.itemsize
+                env.check_unpack(effect, nbytes, source.is_contiguous())
+            case (
+                WaitStream()
+                | RecordEvent()
+                | WaitEvent()
+                | ForgetEvent()
+                | CopyHostToDevice()
+                | CheckHeader()
+                | AllReduce()
+                | WaitWork()
+                | RecordStream()
+                | Release()
+                | Alias()
+                | Synchronize()
+            ):
+                pass  # nothing past the names, which every mode checks
             case _:
                 typing.assert_never(effect)
 
-    # ---- environment helpers -------------------------------------------------------------
-
-    def _collect(self, value: object, path: str, found: dict[str, torch.Tensor]) -> None:
-        if isinstance(value, BufferRef):
-            found[path] = self._lookup("TorchInterpreter.resolve", value)
-            return
-        if isinstance(value, tuple | list):
-            for i, item in enumerate(value):
-                self._collect(item, f"{path}[{i}]", found)
-            return
-        cls = type(value)
-        if attrs.has(cls):
-            for field in attrs.fields(cls):
-                name = f"{path}.{field.name}" if path else field.name
-                self._collect(getattr(value, field.name), name, found)
-
-    def _lookup(self, call: str, ref: BufferRef) -> torch.Tensor:
-        if ref in self._pending_results:
-            raise InterpreterError(
-                call,
-                f"buffer {ref.name!r} is the result of all-reduce "
-                f"{self._pending_results[ref].name!r}, which has not been waited on",
-                "perform its WaitWork before reading or releasing the table",
-            )
-        tensor = self._buffers.get(ref)
-        if tensor is None:
-            raise InterpreterError(
-                call,
-                f"buffer {ref.name!r} is not bound; bound: {_shown(b.name for b in self._buffers)}",
-                "allocate or bind it before its first use and release it after its last",
-            )
-        return tensor
-
-    def _check_unbound(self, call: str, ref: BufferRef) -> None:
-        if ref in self._buffers or ref in self._pending_results:
-            raise InterpreterError(
-                call,
-                f"buffer {ref.name!r} is already bound",
-                "release the old buffer first, or name new buffers from the step counter",
-            )
-
-    def _stream_context(self, stream: Stream) -> contextlib.AbstractContextManager[None]:
-        if self._streams is None:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self._streams[stream])
-
-    def _group(self, call: str, comm: Communicator) -> dist.ProcessGroup:
-        group = self._groups.get(comm)
-        if group is None:
-            raise InterpreterError(
-                call,
-                f"communicator {comm.value} has no process group on rank {self._rank} "
-                f"(have {sorted(c.value for c in self._groups)})",
-                "build the interpreter with every communicator the program uses",
-            )
-        return group
+    def _check_index(self, effect: Effect, ref: BufferRef) -> torch.Tensor:
+        index = self.env.lookup(effect, ref)
+        ok = index.dtype in {torch.int32, torch.int64}
+        self.env.check_index(effect, ref=ref, shape=_shape(index), dtype=index.dtype, ok=ok)
+        return index
 
     def _peer_failure(
-        self, call: str, what: str, comm: Communicator, error: RuntimeError
+        self, call: Call, what: str, comm: Communicator, error: RuntimeError
     ) -> PeerFailureError:
         return PeerFailureError(
-            call,
+            self.env.describe(call),
             f"{what} on communicator {comm.value} failed on rank {self._rank} "
             f"(group ranks {self._group_ranks.get(comm)}): {error}",
             "read the other ranks' logs: a peer died, stalled past the timeout, or issued "
@@ -510,64 +606,46 @@ class TorchInterpreter:
             self._streams[effect.stream].wait_stream(self._streams[effect.waits_for])
 
     def _record_event(self, effect: RecordEvent) -> None:
-        if effect.event in self._events:
-            raise InterpreterError(
-                _describe(effect),
-                f"event {effect.event.name!r} is already recorded and not yet waited on",
-                "record each event once under a fresh name (WaitEvent consumes it)",
-            )
         event: _Event = (
             _CpuEvent(effect.event)
             if self._streams is None
             else self._streams[effect.stream].record_event()
         )
-        self._events[effect.event] = event
+        self.env.record_event(effect, effect.event, event)
 
     def _wait_event(self, effect: WaitEvent) -> None:
-        event = self._events.get(effect.event)
-        if event is None:
-            raise InterpreterError(
-                _describe(effect),
-                f"event {effect.event.name!r} is not recorded (or was already waited on: "
-                f"WaitEvent consumes its event); recorded: "
-                f"{_shown(e.name for e in self._events)}",
-                "record the event before waiting on it, and wait on it once",
-            )
+        event = self.env.take_event(effect, effect.event)
         if self._streams is not None and isinstance(event, torch.cuda.Event):
             self._streams[effect.stream].wait_event(event)
-        del self._events[effect.event]
 
     def _forget_event(self, effect: ForgetEvent) -> None:
-        if self._events.pop(effect.event, None) is None:
-            raise InterpreterError(
-                _describe(effect),
-                f"event {effect.event.name!r} is not recorded (or was already waited on)",
-                "forget only an event that was recorded and never waited on",
-            )
+        self.env.forget_event(effect, effect.event)
 
     def _record_stream(self, effect: RecordStream) -> None:
-        tensor = self._lookup(_describe(effect), effect.buffer)
+        tensor = self.env.lookup(effect, effect.buffer)
         if self._streams is not None:
             tensor.record_stream(self._streams[effect.stream])
+
+    def _synchronize(self, effect: Synchronize) -> None:
+        # CPU: every kernel has finished when it returns, so there is nothing to wait for.
+        if self._streams is not None:
+            self._streams[effect.stream].synchronize()
 
     # ---- buffers -------------------------------------------------------------------------
 
     def _allocate(self, effect: Allocate) -> None:
-        call = _describe(effect)
-        self._check_unbound(call, effect.buffer)
-        if any(size < 0 for size in effect.shape):
-            raise InterpreterError(
-                call, f"shape {effect.shape} of {effect.buffer.name!r}", "use sizes >= 0"
-            )
-        with self._stream_context(effect.stream):
-            tensor = torch.empty(effect.shape, dtype=torch_dtype(effect.dtype), device=self._device)
-        self._buffers[effect.buffer] = tensor
+        env = self.env
+        env.check_unbound(effect, effect.buffer)
+        self.on_stream(effect.stream)
+        env.buffers[effect.buffer] = torch.empty(
+            effect.shape, dtype=_TORCH_DTYPES[effect.dtype], device=self._device
+        )
 
     def _copy_host_to_device(self, effect: CopyHostToDevice) -> None:
-        self._check_unbound(_describe(effect), effect.buffer)
-        self._buffers[effect.buffer] = self._to_device(effect.source, effect.stream)
+        self.env.check_unbound(effect, effect.buffer)
+        self.env.buffers[effect.buffer] = self.to_device(effect.source, effect.stream)
 
-    def _to_device(self, source: npt.NDArray[np.int32], stream: Stream) -> torch.Tensor:
+    def to_device(self, source: npt.NDArray[np.int32], stream: Stream) -> torch.Tensor:
         """A new device tensor holding `source`, copied on `stream` without blocking the host."""
         if self._streams is None:
             return torch.from_numpy(source.copy())
@@ -575,216 +653,193 @@ class TorchInterpreter:
         # keeps it alive until the copy on this stream has finished.
         staging = torch.empty(source.shape, dtype=torch.int32, pin_memory=True)
         staging.numpy()[...] = source
-        with self._stream_context(stream):
-            return staging.to(self._device, non_blocking=True)
+        self.on_stream(stream)
+        return staging.to(self._device, non_blocking=True)
 
     def _release(self, effect: Release) -> None:
-        self._lookup(_describe(effect), effect.buffer)
-        del self._buffers[effect.buffer]
+        self.env.release(effect, effect.buffer)
 
     def _alias(self, effect: Alias) -> None:
-        call = _describe(effect)
-        tensor = self._lookup(call, effect.source)
-        self._check_unbound(call, effect.out)
-        self._buffers[effect.out] = tensor
+        env = self.env
+        tensor = env.lookup(effect, effect.source)
+        env.check_unbound(effect, effect.out)
+        env.buffers[effect.out] = tensor
 
     # ---- collectives ---------------------------------------------------------------------
 
+    def broadcast_options(self, effect: Broadcast) -> dist.BroadcastOptions:
+        """The options of a direct `ProcessGroup.broadcast` from `effect.src` over its group."""
+        key = (effect.comm, effect.src)
+        options = self._broadcast_options.get(key)
+        if options is None:
+            group = self.group(effect, effect.comm)
+            ranks = self._group_ranks[effect.comm]
+            if effect.src not in ranks:
+                self.env.fail(
+                    effect,
+                    f"source rank {effect.src} is not in communicator {effect.comm.value} {ranks}",
+                    "broadcast from a global rank of the communicator",
+                )
+            options = dist.BroadcastOptions()
+            options.rootRank = dist.get_group_rank(group, effect.src)
+            options.rootTensor = 0
+            self._broadcast_options[key] = options
+        return options
+
     def _broadcast(self, effect: Broadcast) -> None:
-        call = _describe(effect)
-        group = self._group(call, effect.comm)
-        tensor = self._lookup(call, effect.buffer)
-        ranks = self._group_ranks[effect.comm]
-        if effect.src not in ranks:
-            raise InterpreterError(
-                call,
-                f"source rank {effect.src} is not in communicator {effect.comm.value} {ranks}",
-                "broadcast from a global rank of the communicator",
+        env = self.env
+        group = self.group(effect, effect.comm)
+        tensor = env.lookup(effect, effect.buffer)
+        wire_dtype = _TORCH_DTYPES[effect.dtype]
+        if tensor.shape != effect.shape or tensor.dtype is not wire_dtype:
+            env.check_wire(
+                effect,
+                ref=effect.buffer,
+                shape=_shape(tensor),
+                dtype=tensor.dtype,
+                wire=effect.shape,
+                wire_dtype=wire_dtype,
             )
-        expected_dtype = torch_dtype(effect.dtype)
-        # NCCL does not check sizes: a wrong shape would hang every rank, so check here.
-        if tuple(tensor.shape) != effect.shape or tensor.dtype != expected_dtype:
-            raise InterpreterError(
-                call,
-                f"buffer {effect.buffer.name!r} is {tensor.dtype} {tuple(tensor.shape)} but the "
-                f"wire is {expected_dtype} {effect.shape}",
-                "bind a tensor of the declared wire shape and dtype",
-            )
-        if not tensor.is_contiguous():
-            raise InterpreterError(
-                call,
-                f"buffer {effect.buffer.name!r} is not contiguous",
-                "broadcast a contiguous tensor (make a snapshot with PadColumns or GatherRows)",
-            )
+        options = self.broadcast_options(effect)
+        self.on_stream(effect.stream)
         try:
-            with self._stream_context(effect.stream):
-                dist.broadcast(tensor, src=effect.src, group=group)
+            # What dist.broadcast does, minus its per-call checks: queue the collective on
+            # the current stream; the wait makes that stream (NCCL) or the host (gloo) wait.
+            group.broadcast([tensor], options).wait()
         except RuntimeError as error:
             what = f"broadcast of {effect.buffer.name!r} {effect.shape} from rank {effect.src}"
-            raise self._peer_failure(call, what, effect.comm, error) from error
+            raise self._peer_failure(effect, what, effect.comm, error) from error
 
     def _check_header(self, effect: CheckHeader) -> None:
-        call = _describe(effect)
-        received = self._lookup(call, effect.buffer)
+        received = self.env.lookup(effect, effect.buffer)
         expected = effect.expected
-        if tuple(received.shape) != expected.shape or received.dtype != torch.int32:
-            raise InterpreterError(
-                call,
-                f"header {effect.buffer.name!r} is {received.dtype} {tuple(received.shape)} "
-                f"but the expected header is torch.int32 {expected.shape}",
-                "check an int32 header of the expected length",
+        if received.shape != expected.shape or received.dtype is not torch.int32:
+            self.env.check_header(
+                effect,
+                ref=effect.buffer,
+                shape=_shape(received),
+                dtype=received.dtype,
+                expected=expected.shape,
+                int32=torch.int32,
             )
         if self._streams is None:
             # CPU: the broadcast has completed and reading the header costs no device sync.
             if not torch.equal(received, torch.from_numpy(expected.copy())):
                 raise HeaderMismatchError(
-                    call,
+                    self.env.describe(effect),
                     rank=self._rank,
                     step=effect.step,
                     expected=tuple(int(v) for v in expected.tolist()),
                     received=tuple(int(v) for v in received.tolist()),
                 )
             return
-        wanted = self._to_device(expected, effect.stream)
-        with self._stream_context(effect.stream):
-            # Reading the header on the host would synchronise every step: assert on the
-            # device instead. The kernel prints the message; the failure stops the
-            # process's later device work and surfaces at the next synchronisation.
-            matches = (received == wanted).all()
-            torch._assert_async(
-                matches,
-                f"rank {self._rank}: relay header mismatch at step {effect.step} "
-                f"(expected {expected.tolist()})",
-            )
+        wanted = self.to_device(expected, effect.stream)
+        self.on_stream(effect.stream)
+        # Reading the header on the host would synchronise every step: assert on the
+        # device instead. The kernel prints the message; the failure stops the
+        # process's later device work and surfaces at the next synchronisation.
+        matches = (received == wanted).all()
+        torch._assert_async(
+            matches,
+            f"rank {self._rank}: relay header mismatch at step {effect.step} "
+            f"(expected {expected.tolist()})",
+        )
 
     def _all_reduce(self, effect: AllReduce) -> None:
-        call = _describe(effect)
-        group = self._group(call, effect.comm)
-        self._check_unbound(call, effect.result)
-        if effect.work is not None and effect.work in self._works:
-            raise InterpreterError(
-                call,
-                f"work {effect.work.name!r} is already in flight",
-                "wait on it before reusing its name",
-            )
+        env = self.env
+        group = self.group(effect, effect.comm)
+        env.check_unbound(effect, effect.result)
+        if effect.work is not None:
+            env.check_work_free(effect, effect.work)
         table = torch.from_numpy(effect.contribution.copy())
-        what = f"all-reduce into {effect.result.name!r} {effect.contribution.shape}"
         try:
+            handle = group.allreduce([table], self._all_reduce_options)
             if effect.work is None:
-                dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)
+                handle.wait()
             else:
-                handle = dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group, async_op=True)
-                self._works[effect.work] = _PendingWork(handle, effect.result, effect.comm)
-                self._pending_results[effect.result] = effect.work
+                env.start_work(effect.work, _PendingWork(handle, effect.comm), effect.result)
         except RuntimeError as error:
-            raise self._peer_failure(call, what, effect.comm, error) from error
-        self._buffers[effect.result] = table
+            what = f"all-reduce into {effect.result.name!r} {effect.contribution.shape}"
+            raise self._peer_failure(effect, what, effect.comm, error) from error
+        env.buffers[effect.result] = table
 
     def _wait_work(self, effect: WaitWork) -> None:
-        call = _describe(effect)
-        pending = self._works.get(effect.work)
-        if pending is None:
-            raise InterpreterError(
-                call,
-                f"work {effect.work.name!r} is not in flight (or was already waited on: "
-                f"WaitWork consumes its handle); in flight: "
-                f"{_shown(w.name for w in self._works)}",
-                "issue an AllReduce with this work name first, and wait on it once",
-            )
+        pending, result = self.env.work(effect, effect.work)
         try:
             pending.handle.wait()
         except RuntimeError as error:
-            what = f"all-reduce into {pending.result.name!r} (work {effect.work.name!r})"
-            raise self._peer_failure(call, what, pending.comm, error) from error
-        del self._works[effect.work]
-        del self._pending_results[pending.result]
+            what = f"all-reduce into {result.name!r} (work {effect.work.name!r})"
+            raise self._peer_failure(effect, what, pending.comm, error) from error
+        self.env.end_work(effect.work)
 
     # ---- device-side data moves ------------------------------------------------------------
 
     def _pad_columns(self, effect: PadColumns) -> None:
-        call = _describe(effect)
-        source = self._lookup(call, effect.source)
-        self._check_unbound(call, effect.out)
-        if source.ndim != 2 or source.shape[1] > effect.width:
-            raise InterpreterError(
-                call,
-                f"buffer {effect.source.name!r} has shape {tuple(source.shape)}, "
-                f"cannot pad to width {effect.width}",
-                "pad a 2-D buffer at most `width` columns wide",
-            )
-        with self._stream_context(effect.stream):
-            # Always a new tensor, even with nothing to add: send buffers are snapshots.
-            out = F.pad(source, (0, effect.width - source.shape[1]), value=effect.fill)
-        self._buffers[effect.out] = out
+        env = self.env
+        source = env.lookup(effect, effect.source)
+        env.check_unbound(effect, effect.out)
+        self.on_stream(effect.stream)
+        # Always a new tensor, even with nothing to add: send buffers are snapshots.
+        env.buffers[effect.out] = F.pad(
+            source, (0, effect.width - source.shape[1]), value=effect.fill
+        )
 
     def _stack_rows(self, effect: StackRows) -> None:
-        call = _describe(effect)
-        sources = [self._lookup(call, ref) for ref in effect.sources]
-        self._check_unbound(call, effect.out)
-        layouts = {(tuple(t.shape), t.dtype) for t in sources}
-        if not sources or len(layouts) != 1 or sources[0].ndim != 1:
-            shapes = [f"{t.dtype} {tuple(t.shape)}" for t in sources]
-            raise InterpreterError(
-                call,
-                f"sources {[r.name for r in effect.sources]} are {shapes}",
-                "stack one or more 1-D buffers of equal length and dtype",
-            )
-        with self._stream_context(effect.stream):
-            out = torch.stack(sources, dim=0)
-        self._buffers[effect.out] = out
-
-    def _check_index(self, call: str, ref: BufferRef, index: torch.Tensor) -> None:
-        if index.ndim != 1 or index.dtype not in (torch.int32, torch.int64):
-            raise InterpreterError(
-                call,
-                f"index {ref.name!r} is {index.dtype} {tuple(index.shape)}",
-                "pass a 1-D int32 or int64 index",
-            )
+        env = self.env
+        sources = [env.lookup(effect, ref) for ref in effect.sources]
+        env.check_unbound(effect, effect.out)
+        self.on_stream(effect.stream)
+        env.buffers[effect.out] = torch.stack(sources, dim=0)
 
     def _gather_rows(self, effect: GatherRows) -> None:
-        call = _describe(effect)
-        source = self._lookup(call, effect.source)
-        index = self._lookup(call, effect.index)
-        self._check_unbound(call, effect.out)
-        self._check_index(call, effect.index, index)
-        if source.ndim < 1:
-            raise InterpreterError(
-                call, f"source {effect.source.name!r} is a scalar", "gather from a 1-D+ buffer"
-            )
-        with self._stream_context(effect.stream):
-            out = torch.index_select(source, 0, index)
-        self._buffers[effect.out] = out
+        env = self.env
+        source = env.lookup(effect, effect.source)
+        index = env.lookup(effect, effect.index)
+        env.check_unbound(effect, effect.out)
+        self.on_stream(effect.stream)
+        env.buffers[effect.out] = torch.index_select(source, 0, index)
 
     def _scatter_rows(self, effect: ScatterRows) -> None:
-        call = _describe(effect)
-        source = self._lookup(call, effect.source)
-        index = self._lookup(call, effect.index)
-        target = self._lookup(call, effect.target)
-        self._check_index(call, effect.index, index)
-        if (
-            source.ndim < 1
-            or source.shape[0] != index.shape[0]
-            or tuple(source.shape[1:]) != tuple(target.shape[1:])
-            or source.dtype != target.dtype
-        ):
-            raise InterpreterError(
-                call,
-                f"source {effect.source.name!r} {source.dtype} {tuple(source.shape)}, index "
-                f"{tuple(index.shape)}, target {effect.target.name!r} {target.dtype} "
-                f"{tuple(target.shape)}",
-                "pass one source row per index entry, with the target's row shape and dtype",
-            )
-        rows = target.shape[0]
-        with self._stream_context(effect.stream):
-            # Filtering the skipped rows would need their count on the host (a sync), so
-            # every row is written: skipped ones land on a spare scratch row, dropped after.
-            # Only the spare row is written more than once, so no write races a kept one
-            # (kept rows name distinct slots; the relay maps each slot to one row).
-            index64 = index.to(torch.int64)
-            destinations = torch.where(index64 == -1, rows, index64)
-            scratch = torch.empty(
-                (rows + 1, *target.shape[1:]), dtype=target.dtype, device=target.device
-            )
-            scratch[:rows].copy_(target)
-            scratch.index_copy_(0, destinations, source)
-            target.copy_(scratch[:rows])
+        env = self.env
+        source = env.lookup(effect, effect.source)
+        index = env.lookup(effect, effect.index)
+        target = env.lookup(effect, effect.target)
+        self.on_stream(effect.stream)
+        scatter_rows(source, index, target)
+
+    def _pack(self, effect: Pack) -> None:
+        env = self.env
+        sources = [env.lookup(effect, section.buffer) for section in effect.sections]
+        env.check_unbound(effect, effect.out)
+        self.on_stream(effect.stream)
+        out = torch.zeros(effect.nbytes // 8, dtype=torch.int64, device=self._device)
+        for section, source in zip(effect.sections, sources, strict=True):
+            _corner(section_view(out, section), source).copy_(source)
+        env.buffers[effect.out] = out
+
+    def _unpack(self, effect: Unpack) -> None:
+        env = self.env
+        source = env.lookup(effect, effect.source)
+        for section in effect.sections:
+            env.check_unbound(effect, section.buffer)
+        for section in effect.sections:
+            env.buffers[section.buffer] = section_view(source, section)
+
+
+def scatter_rows(source: torch.Tensor, index: torch.Tensor, target: torch.Tensor) -> None:
+    """`target[index[i]] = source[i]` where `index[i] != -1`, queued with no host sync.
+
+    Filtering the skipped rows would need their count on the host, so every row is
+    written as an addition: a kept row adds (new - old) to its slot, a skipped row adds
+    zero to row 0. Integer addition makes the result exact in any order, and neither the
+    index nor the table is copied to the host or copied whole (kept rows name distinct
+    slots; the relay maps each slot to one row).
+    """
+    keep = index != -1
+    rows = index.clamp(min=0).long()
+    delta = (source - target.index_select(0, rows)) * keep.view(-1, *([1] * (source.ndim - 1)))
+    target.index_add_(0, rows, delta)
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor

@@ -72,7 +72,6 @@ class DType(enum.Enum):
 
     INT64 = "int64"
     INT32 = "int32"
-    BOOL = "bool"
 
 
 class Op(enum.Enum):
