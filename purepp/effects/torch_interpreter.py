@@ -221,7 +221,8 @@ def build_communicators(
     For each PP group: PP_RELAY, a separate `relay_backend` group over the same ranks
     (so relay traffic never queues behind activations), and PP_CPU (gloo); for each
     DP group: DP_CPU and DP_DRAFTER_CPU (gloo, the drafter's own lane). Groups are
-    lists of global ranks; a rank is in at most one PP and one DP group. The result holds only the groups this rank is in.
+    lists of global ranks; a rank is in at most one PP and one DP group. The result
+    holds only the groups this rank is in.
     """
     call = "build_communicators"
     if not dist.is_initialized():
