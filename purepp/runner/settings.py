@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from purepp.errors import ConfigError
@@ -32,27 +34,33 @@ class RunSettings:
     validate_header: bool = False  # the relay's opt-in [step, n] header, checked by receivers
 
     def __attrs_post_init__(self) -> None:
+        # The library's own guard; `purepp run` checks its options first, naming them.
         checks = (
-            (self.pp >= 1, f"--pp {self.pp}", "use at least 1 pipeline stage"),
-            (self.dp >= 1, f"--dp {self.dp}", "use at least 1 replica"),
+            (self.pp >= 1, f"pp={self.pp}", "use at least 1 pipeline stage"),
+            (self.dp >= 1, f"dp={self.dp}", "use at least 1 replica"),
             (
                 self.pp <= self.num_layers,
-                f"--pp {self.pp}",
-                f"use at most {self.num_layers} stages",
+                f"pp={self.pp} with num_layers={self.num_layers}",
+                "use at most one stage per layer",
             ),
-            (self.steps >= 0, f"--steps {self.steps}", "use 0 (automatic) or more steps"),
-            (self.requests >= 0, f"--requests {self.requests}", "use 0 or more requests"),
+            (self.steps >= 0, f"steps={self.steps}", "use 0 (automatic) or more steps"),
+            (self.requests >= 0, f"requests={self.requests}", "use 0 or more requests"),
             (
                 0 <= self.spec <= MAX_SPECULATIVE_STEPS,
-                f"--spec {self.spec}",
+                f"spec={self.spec}",
                 f"use 0..{MAX_SPECULATIVE_STEPS} speculative steps",
             ),
-            (self.backend in ("gloo", "nccl"), f"--backend {self.backend}", "use gloo or nccl"),
-            (self.timeout_s > 0, f"--timeout {self.timeout_s}", "use a positive timeout"),
+            (self.seed >= 0, f"seed={self.seed}", "use a seed of 0 or more"),
+            (self.backend in ("gloo", "nccl"), f"backend={self.backend!r}", "use gloo or nccl"),
+            (
+                math.isfinite(self.timeout_s) and self.timeout_s > 0,
+                f"timeout_s={self.timeout_s}",
+                "use a finite, positive timeout",
+            ),
         )
         for ok, value, fix in checks:
             if not ok:
-                raise ConfigError("purepp run", value, fix)
+                raise ConfigError("purepp run", f"{value} is out of range", fix)
 
     @property
     def world_size(self) -> int:

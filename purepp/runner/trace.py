@@ -9,9 +9,33 @@ slices time the work itself; on CUDA they time its issue from the host.
 from __future__ import annotations
 
 import time
+from typing import assert_never
 
 from purepp.effects.interpreter import Interpreter
-from purepp.effects.vocabulary import COLLECTIVES, Broadcast, Effect
+from purepp.effects.vocabulary import (
+    COLLECTIVES,
+    Alias,
+    Allocate,
+    AllReduce,
+    Broadcast,
+    CheckHeader,
+    CopyHostToDevice,
+    Effect,
+    ForgetEvent,
+    GatherRows,
+    Pack,
+    PadColumns,
+    RecordEvent,
+    RecordStream,
+    Release,
+    ScatterRows,
+    StackRows,
+    Synchronize,
+    Unpack,
+    WaitEvent,
+    WaitStream,
+    WaitWork,
+)
 
 __all__ = ["TraceEvent", "Tracer"]
 
@@ -21,8 +45,30 @@ _TRACKS = {"main": 1, "relay": 2, "host": 3}
 
 
 def _track(effect: Effect) -> str:
-    stream = getattr(effect, "stream", None)
-    return "host" if stream is None else str(stream.value)
+    """The stream an effect runs on; host work (and the host's waits) on the host track."""
+    match effect:
+        case (
+            WaitStream()
+            | RecordEvent()
+            | WaitEvent()
+            | Allocate()
+            | CopyHostToDevice()
+            | Broadcast()
+            | CheckHeader()
+            | RecordStream()
+            | PadColumns()
+            | StackRows()
+            | GatherRows()
+            | ScatterRows()
+            | Synchronize()
+            | Pack()
+            | Unpack()
+        ):
+            return effect.stream.value
+        case ForgetEvent() | AllReduce() | WaitWork() | Release() | Alias():
+            return "host"
+        case _:
+            assert_never(effect)
 
 
 class Tracer:

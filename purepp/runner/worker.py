@@ -11,7 +11,6 @@ Rank 0 gathers every rank's result (and trace) and writes `DIR/results.json`.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -25,77 +24,57 @@ import torch
 import torch.distributed as dist
 
 from purepp.effects.interpreter import Interpreter
-from purepp.effects.log import Layout, LogHeader, Recorder, log_file_name
+from purepp.effects.log import LogHeader, Recorder, log_file_name
 from purepp.effects.torch_interpreter import (
     TorchInterpreter,
     build_communicators,
     init_distributed,
 )
 from purepp.errors import PeerFailureError, PureppError
+from purepp.layout import Layout
+from purepp.runner.exit_codes import Exit, RankExit
 from purepp.runner.loop import RankLoop
+from purepp.runner.options import (
+    OptionParser,
+    UsageError,
+    add_run_options,
+    settings_from_args,
+)
+from purepp.runner.progress import KILL_RANK_ENV, PARENT_PID_ENV, STOP_RANK_ENV, Heartbeat
+from purepp.runner.results import RankResult, write_results
 from purepp.runner.settings import RunSettings
-from purepp.runner.trace import Tracer
+from purepp.runner.supervise import summarise_against_reference, without_source_paths
+from purepp.runner.trace import TraceEvent, Tracer
 from purepp.runner.workload import make_workload
 
-__all__ = ["KILL_RANK_ENV", "add_run_options", "main", "run_rank", "settings_from_args"]
+__all__ = [
+    "KILL_RANK_ENV",
+    "STOP_RANK_ENV",
+    "add_run_options",
+    "main",
+    "run_rank",
+    "settings_from_args",
+]
 
 
-def add_run_options(parser: argparse.ArgumentParser) -> None:
-    """The options `purepp run` and the worker share."""
-    defaults = RunSettings()
-    parser.add_argument("--pp", type=int, default=defaults.pp, help="pipeline stages")
-    parser.add_argument("--dp", type=int, default=defaults.dp, help="data-parallel replicas")
-    parser.add_argument("--steps", type=int, default=0, help="decode steps (0: until done)")
-    parser.add_argument("--requests", type=int, default=defaults.requests, help="requests")
-    parser.add_argument("--spec", type=int, default=defaults.spec, help="speculative steps")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="workload seed")
-    parser.add_argument("--backend", default=defaults.backend, help="gloo (CPU) or nccl (GPUs)")
-    parser.add_argument(
-        "--timeout", type=float, default=defaults.timeout_s, help="seconds before a peer is dead"
-    )
-    parser.add_argument(
-        "--validate-header",
-        action="store_true",
-        help="send a [step, requests] header first each relay step; receivers check it",
-    )
-    parser.add_argument(
-        "--log-dir", default=None, help="write one effect log per rank here (replacing old ones)"
-    )
-    parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace here")
+def _fault_step(variable: str, rank: int) -> int | None:
+    value = os.environ.get(variable, "")
+    return int(value.split("@")[1]) if value.startswith(f"{rank}@") else None
 
 
-def settings_from_args(args: argparse.Namespace, **overrides: object) -> RunSettings:
-    values: dict[str, object] = dict(
-        pp=args.pp,
-        dp=args.dp,
-        steps=args.steps,
-        requests=args.requests,
-        spec=args.spec,
-        seed=args.seed,
-        backend=args.backend,
-        timeout_s=args.timeout,
-        validate_header=args.validate_header,
-    )
-    values.update(overrides)
-    return RunSettings(**values)  # type: ignore[arg-type]
+def _on_step(rank: int, heartbeat: Heartbeat | None) -> Callable[[int], None]:
+    kill_step = _fault_step(KILL_RANK_ENV, rank)
+    stop_step = _fault_step(STOP_RANK_ENV, rank)
 
-
-# Fault injection for tests: "RANK@STEP" kills that rank abruptly after that step.
-KILL_RANK_ENV = "PUREPP_FAULT_KILL_RANK"
-
-
-def _progress_writer(progress_dir: str | None, rank: int, total: int) -> Callable[[int], None]:
-    path = None if progress_dir is None else Path(progress_dir) / f"rank{rank}"
-    kill_at = os.environ.get(KILL_RANK_ENV, "")
-    kill_step = int(kill_at.split("@")[1]) if kill_at.startswith(f"{rank}@") else None
-
-    def write(step: int) -> None:
-        if path is not None and (step % 4 == 0 or step + 1 == total):
-            path.write_text(f"{step + 1} {total}\n", encoding="ascii")
+    def step_done(step: int) -> None:
+        if heartbeat is not None:
+            heartbeat.step_done(step + 1)
         if step == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == stop_step:
+            os.kill(os.getpid(), signal.SIGSTOP)
 
-    return write
+    return step_done
 
 
 def run_rank(
@@ -107,11 +86,13 @@ def run_rank(
     out_dir: str | None,
     log_dir: str | None,
     trace_path: str | None,
-    progress_dir: str | None = None,
+    on_step: Callable[[int], None] = lambda step: None,
     abort_requests: bool = True,
-) -> list[dict[str, object]] | None:
+    run_id: str | None = None,
+) -> tuple[RankResult, ...] | None:
     """Run one rank to the end. Rank 0 gathers every rank's result, writes them to
-    `out_dir` (and the merged trace to `trace_path`) and returns them; others return None."""
+    `out_dir` (and the merged trace to `trace_path`) and returns them; others return
+    None. `on_step(step)` is called after each step; `run_id` goes in the log header."""
     timeout = datetime.timedelta(seconds=settings.timeout_s)
     if settings.backend == "nccl":
         torch.cuda.set_device(local_rank)
@@ -138,10 +119,11 @@ def run_rank(
         tracer = Tracer(rank=rank, inner=env) if trace_path else None
         perform: Interpreter = env if tracer is None else tracer
         if log_dir is not None:
-            header = LogHeader(
-                rank=rank,
-                world=world,
-                config=json.loads(json.dumps(attrs.asdict(settings))),
+            config = json.loads(json.dumps(attrs.asdict(settings)))
+            header = (
+                LogHeader(rank=rank, world=world, config=config)
+                if run_id is None
+                else LogHeader.for_run(rank=rank, world=world, config=config, run_id=run_id)
             )
             perform = Recorder(header, perform, path=Path(log_dir) / log_file_name(rank))
         workload_config = settings.workload
@@ -154,11 +136,11 @@ def run_rank(
             env=env,
             perform=perform,
             activation_group=None,
-            progress=_progress_writer(progress_dir, rank, settings.total_steps),
+            progress=on_step,
         )
         result = loop.run()
         gathered: list[object] | None = [None] * settings.world_size if rank == 0 else None
-        payload = (attrs.asdict(result), [] if tracer is None else tracer.events)
+        payload = (result, [] if tracer is None else tracer.events)
         dist.gather_object(payload, gathered, dst=0, group=results_group)
         if gathered is None:
             return None
@@ -169,44 +151,63 @@ def run_rank(
 
 def _write_outputs(
     gathered: list[object], out_dir: str | None, trace_path: str | None
-) -> list[dict[str, object]]:
-    results: list[dict[str, object]] = [item[0] for item in gathered]  # type: ignore[index]
+) -> tuple[RankResult, ...]:
+    results: list[RankResult] = []
+    events: list[TraceEvent] = []
+    for item in gathered:
+        match item:
+            case (RankResult() as result, list() as trace):
+                results.append(result)
+                events.extend(trace)
+            case _:
+                raise RuntimeError(f"gathered {type(item).__name__}, not a rank's result")
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "results.json").write_text(json.dumps(results), encoding="utf-8")
+        write_results(Path(out_dir) / "results.json", results)
     if trace_path is not None:
-        events = [event for item in gathered for event in item[1]]  # type: ignore[index]
-        Path(trace_path).write_text(
+        path = Path(trace_path)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(
             json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}), encoding="utf-8"
         )
-    return results
+        os.replace(partial, path)
+    return tuple(results)
 
 
-def _print_verdict(settings: RunSettings, results: list[dict[str, object]] | None) -> int:
-    from purepp.runner.cli import summarise_against_reference
-
+def _print_verdict(settings: RunSettings, results: tuple[RankResult, ...] | None) -> int:
     if results is None:
         raise RuntimeError("only rank 0 gathers the results")  # caller checks rank 0
     summary = summarise_against_reference(settings, results)
     print(summary.render())
-    return 0 if summary.verdict.ok else 1
+    return Exit.OK if summary.verdict.ok else Exit.FAILED
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m purepp.runner.worker")
+    parser = OptionParser(prog="python -m purepp.runner.worker")
     add_run_options(parser)
     parser.add_argument("--out", default=None, help="rank 0 writes results.json here")
-    parser.add_argument("--progress-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--progress-dir", default=None, help="each rank's heartbeat file here")
     parser.add_argument(
         "--verdict",
         action="store_true",
         help="rank 0 then runs the single-stage reference and prints the parity summary",
     )
-    parser.add_argument("--no-aborts", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    parser.add_argument("--no-aborts", action="store_true", help="run every request to the end")
+    parser.add_argument("--run-id", default=None, help="the run's id, for the log headers")
     rank = int(os.environ.get("RANK", "0"))
     try:
-        settings = settings_from_args(args)
+        args = parser.parse_args(argv)
+        settings = settings_from_args(args, call=parser.prog)
+    except UsageError as error:
+        print(error, file=sys.stderr)
+        return Exit.USAGE
+    parent = os.environ.get(PARENT_PID_ENV)
+    heartbeat = Heartbeat(
+        None if args.progress_dir is None else Path(args.progress_dir) / f"rank{rank}",
+        total=settings.total_steps,
+        parent_pid=int(parent) if parent and parent.isdigit() else None,
+    ).start()
+    try:
         gathered = run_rank(
             settings,
             rank=rank,
@@ -215,23 +216,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             out_dir=args.out,
             log_dir=args.log_dir,
             trace_path=args.trace,
-            progress_dir=args.progress_dir,
+            on_step=_on_step(rank, heartbeat),
             abort_requests=not args.no_aborts,
+            run_id=args.run_id,
         )
         if args.verdict and rank == 0:
             return _print_verdict(settings, gathered)
     except PeerFailureError as error:
         print(f"purepp: rank {rank}: {error}", file=sys.stderr)
-        return 4
+        return RankExit.PEER_FAILURE
     except PureppError as error:
         print(f"purepp: rank {rank}: {error}", file=sys.stderr)
-        return 3
+        return RankExit.PUREPP_ERROR
     except (RuntimeError, ConnectionError) as error:
         # torch.distributed reports a dead or silent peer this way (activations, gather).
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        text = str(error).strip()
+        first_line = without_source_paths(text.splitlines()[0]) if text else repr(error)
         print(f"purepp: rank {rank}: a peer failed or timed out: {first_line}", file=sys.stderr)
-        return 4
-    return 0
+        return RankExit.PEER_FAILURE
+    return RankExit.OK
 
 
 if __name__ == "__main__":

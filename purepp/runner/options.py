@@ -1,0 +1,208 @@
+"""The options of `purepp run` (and of the rank processes it starts), checked before
+any process starts.
+
+Every check names the option, the value as typed, what is wrong and the fix, in one
+line. Numbers are parsed here rather than by argparse, so a bad one gets that line
+too instead of argparse's usage block. No torch here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+from pathlib import Path
+from typing import NoReturn
+
+from purepp.errors import ConfigError
+from purepp.runner.settings import MAX_SPECULATIVE_STEPS, RunSettings
+
+__all__ = [
+    "MAX_TIMEOUT_S",
+    "OptionParser",
+    "UsageError",
+    "add_run_options",
+    "check_log_dir",
+    "check_trace",
+    "settings_from_args",
+]
+
+MAX_TIMEOUT_S = 86_400.0  # a day; beyond it a "timeout" is a hang (and overflows gloo's)
+
+
+class UsageError(ConfigError):
+    """An option or argument that cannot work; nothing was started."""
+
+
+def _shown(value: object) -> str:
+    """The value as the user would have typed it: `''` for an empty string."""
+    return shlex.quote(value) if isinstance(value, str) else str(value)
+
+
+def _refuse(option: str, value: object, problem: str, fix: str, call: str) -> UsageError:
+    return UsageError(call, f"{option} {_shown(value)} {problem}", fix)
+
+
+class OptionParser(argparse.ArgumentParser):
+    """argparse, but a mistake is one UsageError line instead of a usage block and exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self.prog, message, f"see `{self.prog} --help`")
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options `purepp run` and the rank processes share (parsed by settings_from_args)."""
+    d = RunSettings()
+    add = parser.add_argument
+    add("--pp", default=d.pp, help=f"pipeline stages, 1..{d.num_layers} (default {d.pp})")
+    add("--dp", default=d.dp, help=f"data-parallel replicas, 1 or more (default {d.dp})")
+    add("--steps", default=d.steps, help="decode steps, for the reference too (0: until done)")
+    add("--requests", default=d.requests, help=f"requests, 1 or more (default {d.requests})")
+    add("--spec", default=d.spec, help=f"speculative steps, 0..{MAX_SPECULATIVE_STEPS}")
+    add("--seed", default=d.seed, help=f"workload seed, 0 or more (default {d.seed})")
+    add("--backend", default=d.backend, help="gloo (CPU) or nccl (one GPU per rank)")
+    add(
+        "--timeout",
+        default=d.timeout_s,
+        help=f"seconds before a silent peer is reported (default {d.timeout_s:g})",
+    )
+    add(
+        "--validate-header",
+        action="store_true",
+        help="send a [step, requests] header first each relay step; receivers check it",
+    )
+    add("--log-dir", default=None, help="write one effect log per rank here (replacing old ones)")
+    add("--trace", default=None, help="write a Chrome/Perfetto trace to this file")
+
+
+def _whole(option: str, value: object, *, low: int, high: int | None, fix: str, call: str) -> int:
+    if isinstance(value, bool):
+        raise _refuse(option, value, "is not a whole number", fix, call)
+    if isinstance(value, int):
+        number = value
+    else:
+        try:
+            number = int(str(value).strip())
+        except ValueError:
+            raise _refuse(option, value, "is not a whole number", fix, call) from None
+    if number < low:
+        raise _refuse(option, value, f"is below {low}", fix, call)
+    if high is not None and number > high:
+        raise _refuse(option, value, f"is above {high}", fix, call)
+    return number
+
+
+def _timeout(option: str, value: object, call: str) -> float:
+    fix = f"pass a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}, e.g. {option} 60"
+    if isinstance(value, bool):
+        raise _refuse(option, value, "is not a number", fix, call)
+    try:
+        seconds = float(value) if isinstance(value, int | float) else float(str(value).strip())
+    except ValueError:
+        raise _refuse(option, value, "is not a number", fix, call) from None
+    if not math.isfinite(seconds):
+        raise _refuse(option, value, "is not finite", fix, call)
+    if seconds <= 0:
+        raise _refuse(option, value, "is not above 0", fix, call)
+    if seconds > MAX_TIMEOUT_S:
+        raise _refuse(option, value, f"is above {MAX_TIMEOUT_S:g} s (a day)", fix, call)
+    return seconds
+
+
+def settings_from_args(
+    args: argparse.Namespace, *, call: str = "purepp run", **overrides: object
+) -> RunSettings:
+    """The run's settings from parsed options (`add_run_options`), each checked.
+
+    `overrides` replace options by RunSettings field name (e.g. `steps=0`); they are
+    checked the same way. Raises UsageError naming the first bad option.
+    """
+    raw: dict[str, object] = {
+        "pp": args.pp,
+        "dp": args.dp,
+        "steps": args.steps,
+        "requests": args.requests,
+        "spec": args.spec,
+        "seed": args.seed,
+        "backend": args.backend,
+        "timeout_s": args.timeout,
+        "validate_header": args.validate_header,
+    }
+    raw.update(overrides)
+    d = RunSettings()
+    backend = raw["backend"]
+    if backend not in ("gloo", "nccl"):
+        raise _refuse(
+            "--backend", backend, "is not a backend", "use --backend gloo or --backend nccl", call
+        )
+    validate_header = raw["validate_header"]
+    if not isinstance(validate_header, bool):
+        raise _refuse("--validate-header", validate_header, "is not a flag", "omit a value", call)
+
+    def whole(option: str, field: str, low: int, high: int | None, fix: str) -> int:
+        return _whole(option, raw[field], low=low, high=high, fix=fix, call=call)
+
+    return RunSettings(
+        pp=whole("--pp", "pp", 1, d.num_layers, f"use 1..{d.num_layers} stages"),
+        dp=whole("--dp", "dp", 1, None, "use 1 or more replicas"),
+        steps=whole("--steps", "steps", 0, None, "use 0 (until every request is done) or more"),
+        requests=whole("--requests", "requests", 1, None, "use 1 or more requests to compare"),
+        spec=whole(
+            "--spec",
+            "spec",
+            0,
+            MAX_SPECULATIVE_STEPS,
+            f"use 0..{MAX_SPECULATIVE_STEPS} speculative steps",
+        ),
+        seed=whole("--seed", "seed", 0, None, "use a whole number 0 or more"),
+        backend="nccl" if backend == "nccl" else "gloo",
+        timeout_s=_timeout("--timeout", raw["timeout_s"], call),
+        validate_header=validate_header,
+    )
+
+
+def _probe_folder(option: str, value: str, folder: Path, fix: str, call: str) -> None:
+    """Create `folder` if needed and write a file in it; refuse with the OS's reason."""
+    for above in (folder, *folder.parents):
+        if above.exists():
+            if not above.is_dir():
+                problem = f"cannot be written: {above} is a file, not a folder"
+                raise _refuse(option, value, problem, fix, call)
+            break
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".purepp-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise _refuse(
+            option, value, f"is not writable ({error.strerror or error})", fix, call
+        ) from error
+
+
+def check_log_dir(value: str, *, call: str = "purepp run") -> Path:
+    """The `--log-dir` folder, created and known to be writable."""
+    fix = "name a folder you can write to, e.g. --log-dir logs"
+    if not value.strip():
+        raise _refuse("--log-dir", value, "is empty", fix, call)
+    folder = Path(value)
+    _probe_folder("--log-dir", value, folder, fix, call)
+    return folder
+
+
+def check_trace(value: str, *, call: str = "purepp run") -> Path:
+    """The `--trace` file: not a folder, in a folder that exists (or is created) and
+    is writable. An existing trace is replaced at the end of the run."""
+    fix = "name a file you can write to, e.g. --trace trace.json"
+    if not value.strip():
+        raise _refuse("--trace", value, "is empty", fix, call)
+    path = Path(value)
+    if value.endswith(os.sep) or path.is_dir():
+        raise _refuse("--trace", value, "is a folder, but a trace is one file", fix, call)
+    if path.exists() and not path.is_file():
+        raise _refuse("--trace", value, "is not a regular file", fix, call)
+    _probe_folder("--trace", value, path.parent, fix, call)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise _refuse("--trace", value, "is not writable", fix, call)
+    return path

@@ -1,0 +1,115 @@
+"""Each rank's heartbeat: how far it got, and proof that the process still runs.
+
+A daemon thread in every rank process rewrites one small file every
+`BEAT_INTERVAL_S`: the steps done, the steps it will run, and a counter that
+advances with every write. The launcher reads them to draw progress and to tell a
+frozen rank (its counter stopped: SIGSTOP, or stuck in native code holding the
+interpreter) from its peers, which keep beating while they wait in a collective.
+
+Writes are atomic (a temporary file, then `os.replace`), so a reader sees a whole
+beat or the previous one, never an empty file read as step 0.
+
+The same thread watches the launcher: when the parent process is gone, the rank
+exits rather than run on as an orphan (a backstop for Linux's parent-death signal,
+which `purepp run` also sets, and the only guard elsewhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+
+import attrs
+
+from purepp.runner.exit_codes import RankExit
+
+__all__ = [
+    "BEAT_INTERVAL_S",
+    "KILL_RANK_ENV",
+    "PARENT_PID_ENV",
+    "STOP_RANK_ENV",
+    "Beat",
+    "Heartbeat",
+    "read_beat",
+    "write_beat",
+]
+
+BEAT_INTERVAL_S = 0.25
+PARENT_PID_ENV = "PUREPP_PARENT_PID"  # set by `purepp run`: a rank exits when it is gone
+
+# Fault injection for tests, "RANK@STEP": that rank kills itself with SIGKILL (dies)
+# or stops itself with SIGSTOP (freezes, alive) after that step.
+KILL_RANK_ENV = "PUREPP_FAULT_KILL_RANK"
+STOP_RANK_ENV = "PUREPP_FAULT_STOP_RANK"
+
+
+@attrs.frozen
+class Beat:
+    """One heartbeat of a rank."""
+
+    done: int  # steps finished
+    total: int  # steps the rank runs
+    count: int  # beats written so far; stops advancing when the process does
+
+
+def write_beat(path: Path, beat: Beat) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(f"{beat.done} {beat.total} {beat.count}\n", encoding="ascii")
+    os.replace(partial, path)
+
+
+def read_beat(path: Path) -> Beat | None:
+    """The rank's last beat, or None before its first (or if the file is not a beat)."""
+    try:
+        fields = path.read_text(encoding="ascii").split()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if len(fields) != 3 or not all(field.isdigit() for field in fields):
+        return None
+    done, total, count = map(int, fields)
+    return Beat(done=done, total=total, count=count)
+
+
+class Heartbeat:
+    """The beating thread of one rank. `path` None: no file (a rank run by torchrun
+    without `purepp run`); `parent_pid`: exit when that process is no longer the parent."""
+
+    def __init__(self, path: Path | None, *, total: int, parent_pid: int | None) -> None:
+        self._path = path
+        self._parent_pid = parent_pid
+        self._done = 0
+        self._total = total
+        self._count = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="purepp-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._beat()
+        self._thread.start()
+        return self
+
+    def step_done(self, done: int) -> None:
+        """Called by the loop after each step (a plain store; the thread writes it)."""
+        self._done = done
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._beat()
+
+    def _beat(self) -> None:
+        if self._path is None:
+            return
+        self._count += 1
+        # OSError: the launcher removed the folder, so it is stopping us anyway.
+        with contextlib.suppress(OSError):
+            write_beat(self._path, Beat(done=self._done, total=self._total, count=self._count))
+
+    def _run(self) -> None:
+        while not self._stop.wait(BEAT_INTERVAL_S):
+            if self._parent_pid is not None and os.getppid() != self._parent_pid:
+                os._exit(RankExit.PARENT_GONE)
+            self._beat()

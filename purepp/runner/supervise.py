@@ -1,0 +1,530 @@
+"""Start a run's rank processes and the single-stage reference, watch them, and stop
+them all whatever happens: a rank that crashes or freezes, Ctrl-C, SIGTERM, SIGHUP,
+or the launcher itself dying.
+
+Watching: every rank beats (`purepp.runner.progress`). A rank whose beat stops is
+frozen (SIGSTOP, or stuck outside Python); its peers keep beating while they wait
+for it in a collective, so the report names the frozen rank rather than the peer
+whose collective timed out first. The reference process is watched the same way.
+
+Stopping: the ranks run in their own sessions (Ctrl-C reaches only the launcher,
+which stops them in order), carry Linux's parent-death signal (SIGKILL when the
+launcher dies, even by SIGKILL) and watch their parent themselves. No torch here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+
+import attrs
+
+from purepp.runner.exit_codes import RankExit
+from purepp.runner.options import UsageError, check_log_dir, check_trace
+from purepp.runner.progress import PARENT_PID_ENV, Beat, read_beat
+from purepp.runner.results import RankResult, ResultsError, read_results
+from purepp.runner.settings import RunSettings
+from purepp.runner.summary import RunSummary, summarise
+
+__all__ = [
+    "LOCK_FILE",
+    "Interrupted",
+    "RankFailure",
+    "launch",
+    "summarise_against_reference",
+    "without_source_paths",
+    "worker_argv",
+]
+
+LOCK_FILE = ".purepp.lock"  # in --log-dir, held by the run writing there
+
+_POLL_S = 0.1
+_SETTLE_S = 1.0  # after a failure, for its peers to fail too before blaming one
+_SILENT_S = 2.0  # a live rank this long without a beat, when a peer failed, is frozen
+_STOP_GRACE_S = 3.0  # SIGTERM, then SIGKILL
+_HANG_MARGIN_S = 30.0  # nothing advanced for timeout + this: a hang (startup included)
+
+
+class RankFailure(Exception):
+    """A rank or the reference cannot finish; the message is one line for the user."""
+
+
+class Interrupted(BaseException):
+    """SIGINT, SIGTERM or SIGHUP reached the launcher; every process was stopped."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+# -- stopping ---------------------------------------------------------------------------
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec function that makes the child get SIGKILL when this process dies."""
+    if not sys.platform.startswith("linux"):
+        return None  # the rank's own parent watch (progress.Heartbeat) still applies
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(RankExit.PARENT_GONE)
+
+    return preexec
+
+
+@contextlib.contextmanager
+def _signals_stop_the_run() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP raise Interrupted once; later ones are ignored while
+    the processes are being stopped, so a second Ctrl-C cannot leave orphans."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread can take signals; its caller owns them
+        return
+    raised = False
+
+    def handler(signum: int, _: FrameType | None) -> None:
+        nonlocal raised
+        if not raised:
+            raised = True
+            raise Interrupted(signum)
+
+    caught = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, handler) for signum in caught}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+@contextlib.contextmanager
+def _log_dir_lock(folder: Path, run_id: str) -> Iterator[None]:
+    """Hold `folder/.purepp.lock` for the run: a second run there is refused."""
+    path = folder / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").split()
+            who = f" (pid {holder[0]})" if holder else ""
+            raise UsageError(
+                "purepp run",
+                f"--log-dir {folder} is in use by another purepp run{who}",
+                "wait for it to finish, or pass another --log-dir",
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {run_id}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+# -- the processes of one world ---------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _own_environment() -> dict[str, str]:
+    """This process's environment without a launcher's rendezvous settings: under
+    torchrun, TORCHELASTIC_* would make a new world join torchrun's store."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+
+
+# Library source locations in messages, e.g. "[../third_party/gloo/.../pair.cc:446]".
+_SOURCE_PATH = re.compile(
+    r"\s*\[[^\]\s]*\.(?:cc|cpp|cu|h|hpp|c|py):\d+\]|\S+\.(?:cc|cpp|cu|h|hpp|py):\d+:?"
+)
+_RANK_PREFIX = re.compile(r"^purepp: rank \d+: ")
+
+
+def without_source_paths(line: str) -> str:
+    """`line` without library source locations such as `[.../pair.cc:446]`."""
+    return " ".join(_SOURCE_PATH.sub("", line).split())
+
+
+def _one_line(text: str) -> str:
+    """The message a rank left, without library source paths."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    ours = [line for line in lines if _RANK_PREFIX.match(line)]
+    line = (ours or lines or ["(no message)"])[-1]
+    return without_source_paths(_RANK_PREFIX.sub("", line))
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether the process is stopped by a signal (SIGSTOP, SIGTSTP), where /proc says."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[-1].split()
+    return bool(fields) and fields[0] in ("T", "t")
+
+
+def _blame_order(code: int) -> int:
+    """Which exit to report first: a named cause, a rank killed by a signal, any
+    other crash, and last the peers that failed because of it."""
+    if code == RankExit.PUREPP_ERROR:
+        return 0
+    if code < 0:
+        return 1
+    return 3 if code in (RankExit.PEER_FAILURE, RankExit.PARENT_GONE) else 2
+
+
+@attrs.define
+class _Rank:
+    rank: int
+    process: subprocess.Popen[bytes]
+    stderr_path: Path
+    beat_path: Path
+    beat: Beat | None = None  # the last whole beat read
+    beat_changed_at: float = 0.0  # monotonic time the beat count last advanced
+
+    def observe(self, now: float) -> None:
+        beat = read_beat(self.beat_path)
+        if beat is None:
+            return  # not started, or between files: keep the last one read
+        if self.beat is None or beat.count != self.beat.count:
+            self.beat_changed_at = now
+        self.beat = beat
+
+    @property
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    @property
+    def done_steps(self) -> int:
+        return -1 if self.beat is None else self.beat.done
+
+
+class _World:
+    """The rank processes of one run (or of the reference), started like torchrun
+    starts them."""
+
+    def __init__(
+        self, name: str, size: int, argv: list[str], work: Path, started: list[_Rank]
+    ) -> None:
+        self.name = name
+        self.work = work
+        beats = work / "progress"
+        beats.mkdir(parents=True)
+        port = _free_port()
+        preexec = _die_with_parent()
+        self.started_at = time.monotonic()
+        self.ranks: list[_Rank] = []
+        for rank in range(size):
+            env = dict(
+                _own_environment(),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(size),
+                LOCAL_WORLD_SIZE=str(size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                **{PARENT_PID_ENV: str(os.getpid())},
+            )
+            stderr_path = work / f"rank{rank}.stderr"
+            command = [sys.executable, "-m", "purepp.runner.worker", *argv]
+            command += ["--out", str(work), "--progress-dir", str(beats)]
+            with stderr_path.open("wb") as stderr:
+                process = subprocess.Popen(
+                    command,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                    start_new_session=True,  # Ctrl-C reaches us; we stop them
+                    preexec_fn=preexec,  # noqa: PLW1509  # no threads here yet
+                )
+            entry = _Rank(rank, process, stderr_path, beats / f"rank{rank}")
+            entry.beat_changed_at = self.started_at
+            started.append(entry)
+            self.ranks.append(entry)
+        self._least_done = -1
+        self._least_done_at = self.started_at
+
+    def label(self, rank: int) -> str:
+        return f"rank {rank}" if self.name == "run" else "the reference process"
+
+    def observe(self, now: float) -> None:
+        for rank in self.ranks:
+            rank.observe(now)
+        least = min(rank.done_steps for rank in self.ranks)
+        if least != self._least_done:
+            self._least_done, self._least_done_at = least, now
+
+    def progress(self) -> tuple[int, int]:
+        """The slowest rank's steps done, and the steps it runs (0 before any beat)."""
+        totals = [rank.beat.total for rank in self.ranks if rank.beat is not None]
+        return max(self._least_done, 0), max(totals, default=0)
+
+    def done(self) -> bool:
+        return all(rank.process.poll() == 0 for rank in self.ranks)
+
+    def _frozen(self, now: float, silent_s: float) -> str | None:
+        """A live rank whose beat stopped for `silent_s`, named with where it stopped."""
+        silent = [
+            (now - rank.beat_changed_at, rank)
+            for rank in self.ranks
+            if rank.running and rank.beat is not None
+        ]
+        quiet_for, rank = max(silent, key=lambda item: item[0], default=(0.0, None))
+        if rank is None or rank.beat is None or quiet_for < silent_s:
+            return None
+        why = (
+            "its process is stopped by a signal (SIGSTOP?)"
+            if _is_stopped(rank.process.pid)
+            else "it is stuck outside Python or starved of CPU"
+        )
+        return (
+            f"{self.label(rank.rank)} froze at step {rank.beat.done}/{rank.beat.total}: "
+            f"no heartbeat for {quiet_for:.1f} s ({why}); its peers wait for it"
+        )
+
+    def _behind(self) -> str | None:
+        """A live rank that reached fewer steps than every rank that gave up."""
+        running = [rank for rank in self.ranks if rank.running]
+        exited = [rank for rank in self.ranks if not rank.running]
+        if not running or not exited:
+            return None
+        slowest = min(running, key=lambda rank: (rank.done_steps, rank.rank))
+        if slowest.done_steps >= min(rank.done_steps for rank in exited):
+            return None
+        return (
+            f"{self.label(slowest.rank)} fell behind at step {max(slowest.done_steps, 0)}: "
+            f"its peers timed out waiting for it"
+        )
+
+    def failure(self) -> str | None:
+        """A one-line message naming the rank that started a failure, else None."""
+        if all(rank.process.poll() in (None, 0) for rank in self.ranks):
+            return None
+        # One rank's failure makes its peers fail too (connection closed, timeout);
+        # after a moment for them to exit, blame the cause, not the first to notice.
+        time.sleep(_SETTLE_S)
+        self.observe(time.monotonic())
+        failures = [
+            (rank, code) for rank in self.ranks if (code := rank.process.poll()) not in (None, 0)
+        ]
+        rank, code = min(failures, key=lambda item: (_blame_order(item[1]), item[0].rank))
+        if _blame_order(code) == 3:
+            named = self._frozen(time.monotonic(), _SILENT_S) or self._behind()
+            if named is not None:
+                return named
+        who = self.label(rank.rank)
+        if code < 0:
+            return f"{who} was killed by {signal.Signals(-code).name}"
+        message = _one_line(rank.stderr_path.read_text(errors="replace"))
+        return f"{who} failed (exit {code}): {message}"
+
+    def frozen(self, now: float, timeout_s: float) -> str | None:
+        """A live rank silent for the whole collective timeout, before anyone gives up."""
+        return self._frozen(now, timeout_s)
+
+    def hung(self, now: float, limit_s: float) -> str | None:
+        """Nothing advanced for `limit_s` though every rank beats: name the one behind."""
+        if now - self._least_done_at <= limit_s:
+            return None
+        slowest = min(self.ranks, key=lambda rank: (rank.done_steps, rank.rank))
+        where = "before its first step" if slowest.beat is None else f"at step {slowest.done_steps}"
+        return (
+            f"{self.label(slowest.rank)} made no progress for {limit_s:.0f} s, {where} "
+            "(a hang: every process is alive)"
+        )
+
+    def results(self) -> tuple[RankResult, ...]:
+        try:
+            return read_results(self.work / "results.json")
+        except ResultsError as error:
+            raise RankFailure(f"{self.name}: every rank exited 0 but {error.problem}") from error
+
+
+def _stop(ranks: Sequence[_Rank]) -> None:
+    """SIGTERM (and SIGCONT, so a stopped rank can take it), then SIGKILL stragglers."""
+    for rank in ranks:
+        if rank.running:
+            for signum in (signal.SIGTERM, signal.SIGCONT):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(rank.process.pid, signum)
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for rank in ranks:
+        try:
+            rank.process.wait(timeout=max(deadline - time.monotonic(), 0.05))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(rank.process.pid, signal.SIGKILL)
+            rank.process.wait()
+
+
+@contextlib.contextmanager
+def _stopped_on_exit() -> Iterator[list[_Rank]]:
+    started: list[_Rank] = []
+    try:
+        yield started
+    finally:
+        _stop(started)
+
+
+# -- watching ---------------------------------------------------------------------------
+
+
+def _show_progress(world: _World, last_shown: list[int]) -> None:
+    reached, total = world.progress()
+    if not total or reached == last_shown[0]:
+        return
+    last_shown[0] = reached
+    bar = "#" * (30 * min(reached, total) // total)
+    line = f"\r  step {reached:>5}/{total} [{bar:<30}]"
+    if sys.stderr.isatty():
+        print(line, end="", file=sys.stderr, flush=True)
+    elif reached == total or reached % max(total // 10, 1) < 4:
+        print(line.strip(), file=sys.stderr, flush=True)
+
+
+def _wait(worlds: Sequence[_World], timeout_s: float, show: _World) -> None:
+    """Until every world is done; RankFailure when a rank fails, freezes or hangs."""
+    last_shown = [-1]
+    while not all(world.done() for world in worlds):
+        now = time.monotonic()
+        for world in worlds:
+            world.observe(now)
+        for world in worlds:
+            if world.done():
+                continue
+            message = (
+                world.failure()
+                or world.frozen(now, timeout_s)
+                or world.hung(now, timeout_s + _HANG_MARGIN_S)
+            )
+            if message is not None:
+                raise RankFailure(message)
+        _show_progress(show, last_shown)
+        time.sleep(_POLL_S)
+    show.observe(time.monotonic())
+    _show_progress(show, last_shown)
+    if sys.stderr.isatty() and last_shown[0] >= 0:
+        print(file=sys.stderr)
+
+
+# -- a run ------------------------------------------------------------------------------
+
+
+def worker_argv(settings: RunSettings, log_dir: str | None, trace: str | None) -> list[str]:
+    """The rank processes' options for `settings`."""
+    argv = [
+        f"--pp={settings.pp}",
+        f"--dp={settings.dp}",
+        f"--steps={settings.steps}",
+        f"--requests={settings.requests}",
+        f"--spec={settings.spec}",
+        f"--seed={settings.seed}",
+        f"--backend={settings.backend}",
+        f"--timeout={settings.timeout_s!r}",
+    ]
+    if settings.validate_header:
+        argv.append("--validate-header")
+    if log_dir is not None:
+        argv.append(f"--log-dir={log_dir}")
+    if trace is not None:
+        argv.append(f"--trace={trace}")
+    return argv
+
+
+def _reference_world(settings: RunSettings, work: Path, started: list[_Rank]) -> _World:
+    """The single-stage run of the same workload (same --steps), without aborts, on CPU."""
+    reference = attrs.evolve(settings, pp=1, dp=1, backend="gloo")
+    argv = [*worker_argv(reference, None, None), "--no-aborts"]
+    return _World("reference", 1, argv, work, started)
+
+
+def _check_devices(settings: RunSettings) -> None:
+    if settings.backend != "nccl":
+        return
+    import torch  # only here: a gloo run's launcher never needs it
+
+    if not torch.cuda.is_available():
+        raise UsageError(
+            "purepp run", "--backend nccl needs CUDA, and none is available", "use --backend gloo"
+        )
+    if torch.cuda.device_count() < settings.world_size:
+        raise UsageError(
+            "purepp run",
+            f"--backend nccl with --pp {settings.pp} --dp {settings.dp} needs "
+            f"{settings.world_size} GPUs, found {torch.cuda.device_count()}",
+            "lower --pp or --dp, or use --backend gloo",
+        )
+
+
+def launch(
+    settings: RunSettings,
+    *,
+    log_dir: str | None = None,
+    trace: str | None = None,
+    run_id: str | None = None,
+) -> RunSummary:
+    """Run the world and the single-stage reference side by side; summarise both.
+
+    Raises UsageError before anything starts (a bad path, a log folder in use),
+    RankFailure when a rank or the reference fails, freezes or hangs, and
+    Interrupted on SIGINT, SIGTERM or SIGHUP; every process is stopped and the
+    temporary folder removed in each case.
+    """
+    _check_devices(settings)
+    if log_dir is not None:
+        check_log_dir(log_dir)
+    if trace is not None:
+        check_trace(trace)
+    argv = worker_argv(settings, log_dir, trace)
+    if run_id is not None:
+        argv.append(f"--run-id={run_id}")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_signals_stop_the_run())
+        if log_dir is not None:
+            stack.enter_context(_log_dir_lock(Path(log_dir), run_id or "-"))
+            # The folder must hold this run's logs only: `purepp check` reads every one.
+            for old_log in Path(log_dir).glob("rank-*.jsonl"):
+                old_log.unlink()
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="purepp-run-")))
+        started = stack.enter_context(_stopped_on_exit())
+        world = _World("run", settings.world_size, argv, tmp / "run", started)
+        reference = _reference_world(settings, tmp / "ref", started)
+        _wait([world, reference], settings.timeout_s, show=world)
+        return summarise(settings, world.results(), reference.results())
+    raise AssertionError("unreachable: the with block returns or raises")  # for mypy
+
+
+def summarise_against_reference(settings: RunSettings, results: Sequence[RankResult]) -> RunSummary:
+    """Run the single-stage reference here and summarise `results` (the gathered
+    results of a world started elsewhere, e.g. by torchrun) against it."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_signals_stop_the_run())
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="purepp-ref-")))
+        started = stack.enter_context(_stopped_on_exit())
+        reference = _reference_world(settings, tmp / "ref", started)
+        _wait([reference], settings.timeout_s, show=reference)
+        return summarise(settings, results, reference.results())
+    raise AssertionError("unreachable: the with block returns or raises")
