@@ -32,7 +32,7 @@ import numpy.typing as npt
 
 from purepp import dp
 from purepp.batch import BatchFacts
-from purepp.cudagraph import BatchExecutionDescriptor, CudaGraphDispatcher
+from purepp.cudagraph import BatchExecutionDescriptor, Dispatcher
 from purepp.effects.arrays import IntArray
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.vocabulary import BufferRef, Effect, TensorSpec
@@ -93,26 +93,6 @@ class StepIO(Protocol[T]):
         """The reduced DP agreement table bound under `ref`, on the host."""
 
 
-class AgreementStart(Protocol):
-    """`dp.start_agreement`'s shape, as far as the rank step calls it."""
-
-    def __call__(
-        self,
-        dispatcher: CudaGraphDispatcher | None,
-        *,
-        step: int,
-        num_reqs: int,
-        num_tokens: int,
-        uniform_token_count: int | None,
-        dp_size: int,
-        dp_rank: int,
-        max_query_len: int | None = None,
-        need_eager: bool = False,
-        dp_sync: dp.DPSyncState | None = None,
-        label: str = "dp",
-    ) -> dp.AgreementStarted | dp.AgreementDecided: ...
-
-
 @attrs.frozen(kw_only=True)
 class RankSteps:
     """The pure steps the rank step calls. A research runner (or a test reproducing a
@@ -122,7 +102,7 @@ class RankSteps:
     free: Callable[
         [RelayConfig, RelayState, Sequence[int] | npt.NDArray[np.integer]], Step[RelayState, None]
     ] = free_request_slots
-    start_agreement: AgreementStart = dp.start_agreement
+    start_agreement: Callable[..., dp.AgreementStarted] = dp.start_agreement
     receive: Callable[[RelayConfig, RelayState, BatchFacts], Step[RelayState, bool]] = receive
     broadcast_sampled: Callable[..., Step[RelayState, bool]] = broadcast_sampled
     broadcast_drafts: Callable[
@@ -134,16 +114,19 @@ class RankSteps:
 REAL_STEPS = RankSteps()
 
 
+_SOLO = dp.AgreementGroup(dp_size=1, dp_rank=0)
+_FREE_LANES = dp.AgreementLanes()
+
+
 @attrs.frozen(kw_only=True)
 class RankConfig:
     """Static configuration of one rank's decode step."""
 
     relay: RelayConfig  # this rank's relay
-    dp_size: int = 1  # ranks in the DP group
-    dp_rank: int = 0  # this rank's index in it
-    dispatcher: CudaGraphDispatcher | None = None  # the target model's CUDA graphs
+    group: dp.AgreementGroup = _SOLO  # the DP group this rank agrees batch shapes with
+    dispatcher: Dispatcher | None = None  # the target model's CUDA graphs
     # the drafter's CUDA graphs; it reuses the target's agreement (no second collective)
-    drafter_dispatcher: CudaGraphDispatcher | None = None
+    drafter_dispatcher: Dispatcher | None = None
 
     @property
     def is_last_stage(self) -> bool:
@@ -157,9 +140,10 @@ class RankConfig:
 
 @attrs.frozen(kw_only=True)
 class RankState:
-    """Between steps: the relay's state (the DP agreement keeps none across steps)."""
+    """Between steps: the relay's state and the agreement lanes (free between steps)."""
 
     relay: RelayState
+    lanes: dp.AgreementLanes = _FREE_LANES
 
     @property
     def step(self) -> int:
@@ -181,6 +165,7 @@ class Begun:
     """A step whose relay entry was consumed: pass it to `agree`."""
 
     relay: RelayState  # the relay after the consume
+    lanes: dp.AgreementLanes  # the agreement lanes
     consumed: ConsumedOutputs | None  # what the entry still holds for the caller, if anything
 
 
@@ -189,6 +174,7 @@ class Agreed:
     """A step whose shape the DP group agreed: run the forward, then pass it to `finish`."""
 
     relay: RelayState  # the relay after the frees
+    lanes: dp.AgreementLanes  # the agreement lanes, free again
     batch: BatchFacts  # the step's batch, replicated on the pipeline's stages
     target: dp.DispatchOutcome  # the target model's descriptor and agreement
     drafter: dp.DispatchOutcome | None  # the drafter's, reusing the target's agreement
@@ -216,10 +202,10 @@ def init_rank(config: RankConfig) -> RankState:
 def begin(config: RankConfig, state: RankState, steps: RankSteps = REAL_STEPS) -> StepPhase[Begun]:
     """Phase 1: consume the relay entry from `ring_depth` steps ago (non-last stages)."""
     if config.is_last_stage:
-        return Begun(relay=state.relay, consumed=None)
+        return Begun(relay=state.relay, lanes=state.lanes, consumed=None)
     taken = steps.consume(config.relay, state.relay, update_drafts=config.updates_drafts)
     yield taken.effects
-    return Begun(relay=taken.state, consumed=taken.result)
+    return Begun(relay=taken.state, lanes=state.lanes, consumed=taken.result)
 
 
 def agree(
@@ -238,48 +224,44 @@ def agree(
     the group one collective apart. The drafter reuses the agreement (no collective).
     """
     relay = steps.free(config.relay, begun.relay, freed).state
-    started = steps.start_agreement(
-        config.dispatcher,
-        step=relay.step,
+    facts = dp.RankBatch(
         num_reqs=batch.num_reqs,
         num_tokens=shape.num_tokens,
         uniform_token_count=shape.uniform_token_count,
-        dp_size=config.dp_size,
-        dp_rank=config.dp_rank,
         max_query_len=shape.max_query_len,
         need_eager=shape.need_eager,
     )
-    if started.state is None:
-        target = started.result
-    else:
-        pending = started.state
-        yield started.effects
-        waited = dp.wait_for_agreement(pending)
-        if waited.effects:
-            yield waited.effects
-        finished = dp.finish_agreement(pending, io.host_table(waited.result))
-        yield finished.effects
-        target = finished.result
-    if target is None:  # unreachable: start decides or returns a pending agreement
-        raise InvalidInputError("agree", "the agreement decided nothing", "report this bug")
+    started = steps.start_agreement(
+        begun.lanes, config.group, config.dispatcher, facts, step=relay.step
+    )
+    lanes, target = yield from _settle(started, io)
     drafter = None
     if config.drafter_dispatcher is not None:
-        reused = steps.start_agreement(
+        reuse = attrs.evolve(facts, dp_sync=target.sync)
+        started = steps.start_agreement(
+            lanes,
+            config.group,
             config.drafter_dispatcher,
+            reuse,
             step=relay.step,
-            num_reqs=batch.num_reqs,
-            num_tokens=shape.num_tokens,
-            uniform_token_count=shape.uniform_token_count,
-            dp_size=config.dp_size,
-            dp_rank=config.dp_rank,
-            max_query_len=shape.max_query_len,
-            need_eager=shape.need_eager,
-            dp_sync=target.sync,
-            label="drafter",
+            lane=dp.Lane.DRAFTER,
         )
-        yield reused.effects
-        drafter = reused.result
-    return Agreed(relay=relay, batch=batch, target=target, drafter=drafter)
+        lanes, drafter = yield from _settle(started, io)
+    return Agreed(relay=relay, lanes=lanes, batch=batch, target=target, drafter=drafter)
+
+
+def _settle(
+    started: dp.AgreementStarted, io: StepIO[T]
+) -> StepPhase[tuple[dp.AgreementLanes, dp.DispatchOutcome]]:
+    """Perform a started agreement's all-reduce, wait for it, and decide from its table."""
+    pending = started.result
+    yield started.effects
+    waited = dp.wait_for_agreement(pending)
+    yield waited.effects
+    table = None if waited.result is None else io.host_table(waited.result)
+    finished = dp.finish_agreement(started.state, pending, table)
+    yield finished.effects
+    return finished.state, finished.result
 
 
 def finish(
@@ -316,7 +298,7 @@ def finish(
         )
     ended = steps.end_step(relay_config, relay)
     yield ended.effects
-    return RankState(relay=ended.state)
+    return RankState(relay=ended.state, lanes=agreed.lanes)
 
 
 def _broadcast(

@@ -490,23 +490,21 @@ def reduced_agreement_table(schedule: Schedule, step: int) -> IntArray:
     dispatcher = schedule.dispatcher()
     columns = []
     for replica in range(schedule.config.dp):
-        replica_step = schedule.at(step, replica)
-        started = dp.start_agreement(
-            dispatcher,
-            step=step,
-            num_reqs=replica_step.batch.num_reqs,
-            num_tokens=replica_step.num_tokens,
-            uniform_token_count=replica_step.uniform_token_count,
-            dp_size=schedule.config.dp,
-            dp_rank=replica,
+        planned = schedule.at(step, replica)
+        batch = dp.RankBatch(
+            num_reqs=planned.batch.num_reqs,
+            num_tokens=planned.num_tokens,
+            uniform_token_count=planned.uniform_token_count,
         )
-        if started.state is None:
+        group = dp.AgreementGroup(dp_size=schedule.config.dp, dp_rank=replica)
+        pending = dp.start_agreement(dp.AgreementLanes(), group, dispatcher, batch, step=step)
+        if pending.result.contribution is None:
             raise ConfigError(
                 "reduced_agreement_table",
                 f"step {step} decides without an all-reduce",
                 "ask only for steps of a DP world (dp > 1)",
             )
-        columns.append(started.state.contribution)
+        columns.append(pending.result.contribution)
     table: IntArray = readonly(np.sum(columns, axis=0, dtype=np.int32), np.int32)
     return table
 
@@ -520,8 +518,7 @@ def rank_config(schedule: Schedule, rank: int) -> RankConfig:
     """Rank `rank`'s configuration of the rank step in the schedule's world."""
     return RankConfig(
         relay=schedule.relay_config(rank),
-        dp_size=schedule.config.dp,
-        dp_rank=schedule.world.dp_index(rank),
+        group=dp.AgreementGroup(dp_size=schedule.config.dp, dp_rank=schedule.world.dp_index(rank)),
         dispatcher=schedule.dispatcher(),
     )
 

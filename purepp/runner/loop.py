@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from purepp.cudagraph import CaptureMode, CudaGraphDispatcher
+from purepp.dp import AgreementGroup
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.io import TorchIO
 from purepp.effects.torch_interpreter import TorchInterpreter
@@ -124,8 +125,7 @@ class RankLoop:
         )
         self.config = RankConfig(
             relay=self.relay_config,
-            dp_size=settings.dp,
-            dp_rank=self.replica,
+            group=AgreementGroup(dp_size=settings.dp, dp_rank=self.replica),
             dispatcher=self.dispatcher,
         )
         self.state = init_rank(self.config)
