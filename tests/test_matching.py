@@ -12,6 +12,7 @@ from purepp.effects.matching import (
     CollectiveReportError,
     CollectiveSignature,
     CommInstance,
+    MismatchClass,
     MismatchField,
     MismatchReport,
     check_posts,
@@ -157,6 +158,8 @@ def test_sender_width_mismatch_is_reported_at_the_op_that_diverged() -> None:
     assert report.received.shape == (ROWS, 1)
     assert report.received.op is Op.BROADCAST
     assert report.differing == (MismatchField.SHAPE,)
+    # Both receivers posted the padded width: the sender is the odd one out.
+    assert (report.classification, report.culprit) == (MismatchClass.SIZE, 2)
 
 
 def test_the_report_renders_both_sides() -> None:
@@ -167,7 +170,8 @@ def test_the_report_renders_both_sides() -> None:
         "  rank 0 expected broadcast [4, 3] int64 from rank 2 (step 2, receive)\n"
         "  rank 2 posted   broadcast [4, 1] int64 from rank 2 (step 2, broadcast)\n"
         "  they differ in: shape\n"
-        "  NCCL does not compare these: the run would hang or corrupt data."
+        "  NCCL does not compare these: the run would hang or corrupt data.\n"
+        "  mismatch: size; culprit: rank 2"
     )
 
 

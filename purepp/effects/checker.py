@@ -1,61 +1,393 @@
-"""`purepp check LOGDIR`: match the collectives of per-rank effect logs recorded on
-real hardware, with the same matcher the simulator uses."""
+"""`purepp check LOGDIR`: replay the ranks' effect logs through the matching scheduler.
+
+The logs are read a record at a time, every rank's file at once, and fed through the
+scheduler the simulator uses (`purepp.effects.scheduler`): one `CollectiveHub` for
+every communicator and one data-free `StreamLanes` per rank. So the checker sees what
+a per-communicator comparison cannot: two ranks taking two communicators in opposite
+orders wait on each other, and the report shows the wait-for cycle. Memory stays
+bounded because a rank may not run more than `max_steps_in_flight` steps ahead of the
+slowest stage of its pipeline: only the records between them are held.
+
+Outcomes (`CheckReport.exit_code`):
+- 0: every collective matched on every communicator;
+- 1: a finding: a mismatch (classified, with its culprit rank), a deadlock (with its
+  wait-for cycle), a log that ends mid-record (the rank died while writing; the report
+  says what every rank was waiting on), or logs that recorded nothing;
+- 2: the logs cannot be used: unreadable, corrupted before their last line, of other
+  runs or configs mixed in one folder, or a rank missing.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import TextIO
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final, TextIO
 
 import attrs
 
-from purepp.effects.log import EffectLog, load_logs
-from purepp.effects.matching import MismatchReport, match_collectives
-from purepp.effects.vocabulary import COLLECTIVES
-from purepp.errors import PureppError
+from purepp.effects.logfile import LogStream, check_same_run, log_paths
+from purepp.effects.logmodel import LogHeader
+from purepp.effects.matching import (
+    AwaitedCollective,
+    CollectiveReportError,
+    DeadlockReport,
+    MismatchReport,
+    Report,
+    WaitEdge,
+    Waiter,
+    find_wait_cycle,
+)
+from purepp.effects.numpy_interpreter import describe_effect
+from purepp.effects.scheduler import CollectiveHub, StreamLanes
+from purepp.effects.vocabulary import AllReduce, Broadcast, Effect
+from purepp.errors import ConfigError, LogFormatError
 
-__all__ = ["CheckResult", "check_log_dir", "check_logs"]
+__all__ = [
+    "EXIT_FINDING",
+    "EXIT_OK",
+    "EXIT_UNUSABLE",
+    "CheckReport",
+    "CutLog",
+    "check_log_dir",
+    "check_logs",
+]
+
+EXIT_OK: Final = 0  # every collective matched
+EXIT_FINDING: Final = 1  # a mismatch, a deadlock, a log cut mid-record, or nothing recorded
+EXIT_UNUSABLE: Final = 2  # the logs cannot be read as one run's
+
+_CALL = "purepp check"
 
 
 @attrs.frozen(kw_only=True)
-class CheckResult:
-    """The outcome of matching one run's logs."""
+class CutLog:
+    """A rank's log whose last line was cut mid-record: the rank died while writing."""
 
-    ranks: int  # logs read, one per rank
-    collectives: int  # collectives issued, all ranks together
-    steps: int  # distinct decode steps seen
-    report: MismatchReport | None  # the first problem, or None when everything matches
+    rank: int  # the rank that wrote it
+    path: Path  # the file
+    line: int  # the cut line's number (everything before it was read)
+    records: int  # complete records before the cut
+    last_step: int | None  # step of the last complete record; None when there is none
 
-    def summary(self) -> str:
-        if self.report is not None:
-            return self.report.render()
+    def describe(self) -> str:
+        after = "no record" if self.last_step is None else f"step {self.last_step}"
         return (
-            f"ok: {self.ranks} ranks, {self.collectives} collectives over {self.steps} steps, "
-            "every communicator matches"
+            f"rank {self.rank}'s log ends mid-record at {self.path.name} line {self.line}"
+            f" (the rank died while writing), after {self.records} records ({after})"
         )
 
 
-def check_logs(logs: tuple[EffectLog, ...]) -> CheckResult:
-    """Match the collectives of `logs` (one per rank of one world, as `load_logs` gives)."""
-    world = logs[0].header.world
-    per_rank = {log.header.rank: log.effects for log in logs}
-    effects = [effect for log in logs for effect in log.effects]
-    return CheckResult(
-        ranks=len(logs),
-        collectives=sum(isinstance(effect, COLLECTIVES) for effect in effects),
-        steps=len({effect.step for effect in effects}),
-        report=match_collectives(per_rank, world),
-    )
+@attrs.frozen(kw_only=True)
+class CheckReport:
+    """What `purepp check` found in one folder of logs."""
+
+    ok: bool  # every collective matched, and something was recorded
+    exit_code: int  # EXIT_OK, EXIT_FINDING or EXIT_UNUSABLE
+    text: str  # a one-line summary when ok, else the full report (several lines)
+    ranks: int = 0  # logs read, one per rank
+    records: int = 0  # records read, all ranks together
+    collectives: int = 0  # collectives issued, all ranks together
+    steps: int = 0  # decode steps seen (the most any rank logged)
+    finding: Report | None = None  # the mismatch or deadlock, if any
+    cut: tuple[CutLog, ...] = ()  # logs that end mid-record
+
+
+def check_logs(
+    directory: str | os.PathLike[str], *, max_steps_in_flight: int | None = None
+) -> CheckReport:
+    """Check the ranks' logs in `directory` (as `purepp run --log-dir` writes them).
+
+    Never raises for bad logs: an unusable folder is a report with exit code 2.
+    `max_steps_in_flight` (default: the world's pp, as `simulate`) bounds how far a
+    rank is replayed ahead of its pipeline's slowest stage, and so the memory held.
+    """
+    try:
+        return _Check(Path(directory), max_steps_in_flight).run()
+    except (LogFormatError, ConfigError) as error:
+        return CheckReport(ok=False, exit_code=EXIT_UNUSABLE, text=f"{_CALL}: {error}")
 
 
 def check_log_dir(directory: str | os.PathLike[str], out: TextIO | None = None) -> int:
-    """Print a one-line summary (exit 0) or the mismatch report (exit 1); a log that
-    cannot be read is exit 2."""
-    stream = sys.stdout if out is None else out
-    try:
-        result = check_logs(load_logs(directory))
-    except PureppError as error:
-        print(f"purepp check: {error}", file=stream)
-        return 2
-    print(result.summary(), file=stream)
-    return 0 if result.report is None else 1
+    """Print `check_logs(directory)`'s text to `out` (default stdout); return its exit code."""
+    report = check_logs(directory)
+    print(report.text, file=sys.stdout if out is None else out)
+    return report.exit_code
+
+
+# -- one rank's log, replayed ----------------------------------------------------------
+
+
+class _RankReplay:
+    """One rank: its log read lazily, one effect of lookahead, and its streams."""
+
+    def __init__(self, stream: LogStream, lanes: StreamLanes) -> None:
+        self.stream = stream
+        self.header: LogHeader = stream.header
+        self.rank = stream.header.rank
+        self.lanes = lanes
+        self._records: Iterator[Effect] = (record.effect for record in stream)
+        self.next: Effect | None = None  # the next effect to issue, once read
+        self.ended = False  # the log has no more records
+        self.records = 0  # records issued
+        self.collectives = 0  # collectives issued
+        self.steps = 0  # distinct steps issued (steps never go back within a rank)
+        self.last_step: int | None = None  # step of the last record issued
+        self.allowed_step = -1  # steps up to this one may be issued without re-checking peers
+
+    def peek(self) -> Effect | None:
+        if self.next is None and not self.ended:
+            self.next = next(self._records, None)
+            self.ended = self.next is None
+        return self.next
+
+    def take(self, effect: Effect) -> Effect:
+        """Consume `effect`, the one `peek` returned."""
+        self.next = None
+        self.records += 1
+        if isinstance(effect, Broadcast | AllReduce):
+            self.collectives += 1
+        if effect.step != self.last_step:
+            self.steps += 1
+            self.last_step = effect.step
+        return effect
+
+    def progress(self) -> int | None:
+        """Steps below this one are fully issued; None when the log has ended unread-to."""
+        effect = self.peek()
+        if effect is not None:
+            return effect.step
+        return None if self.last_step is None else self.last_step + 1
+
+
+class _Check:
+    def __init__(self, directory: Path, max_steps_in_flight: int | None) -> None:
+        self._directory = directory
+        self._in_flight_option = max_steps_in_flight
+        self._ranks: list[_RankReplay] = []
+
+    def run(self) -> CheckReport:
+        streams: list[LogStream] = []
+        try:
+            for path in log_paths(self._directory):
+                streams.append(LogStream(path, allow_cut_end=True))
+            check_same_run(self._directory, [(s.path, s.header) for s in streams])
+            return self._replay(sorted(streams, key=lambda s: s.header.rank))
+        finally:
+            for stream in streams:
+                stream.close()
+
+    def _replay(self, streams: list[LogStream]) -> CheckReport:
+        world = streams[0].header.world
+        in_flight = world.pp if self._in_flight_option is None else self._in_flight_option
+        if in_flight < 1:
+            raise ConfigError(
+                "check_logs", f"max_steps_in_flight={in_flight}", "allow at least one step"
+            )
+        self._world, self._in_flight = world, in_flight
+        self._hub = CollectiveHub(world, call=_CALL, move_data=False)
+        self._ranks = [_RankReplay(s, StreamLanes(s.header.rank, self._hub)) for s in streams]
+        try:
+            while not self._done():
+                progressed = False
+                for rank in self._ranks:
+                    progressed |= self._advance(rank)
+                if not progressed:
+                    return self._stuck()
+        except CollectiveReportError as error:
+            return self._finding(error.report)
+        return self._completed()
+
+    # -- scheduling --
+
+    def _done(self) -> bool:
+        return (
+            all(r.peek() is None and r.lanes.idle() for r in self._ranks)
+            and not self._hub.incomplete()
+        )
+
+    def _advance(self, rank: _RankReplay) -> bool:
+        """Issue `rank`'s effects until its host blocks, its log ends or it is held back."""
+        progressed = False
+        lanes = rank.lanes
+        while not lanes.host_blocked():
+            effect = rank.peek()
+            if effect is None:
+                return progressed
+            if effect.step > rank.allowed_step:
+                if self._held_back_by(rank, effect.step):
+                    return progressed
+                rank.allowed_step = effect.step
+            lanes.issue(rank.take(effect))
+            self._pump()
+            progressed = True
+        return progressed
+
+    def _pump(self) -> None:
+        """Run whatever completed collectives released, on every rank they touched."""
+        hub = self._hub
+        while hub.completed_ranks:
+            touched = sorted(hub.completed_ranks)
+            hub.completed_ranks.clear()
+            for rank in touched:
+                self._ranks[rank].lanes.advance()
+
+    def _held_back_by(self, rank: _RankReplay, step: int) -> tuple[int, ...]:
+        """Pipeline peers too far behind for `rank` to issue an effect of `step`."""
+        limit = step - self._in_flight
+        peers = self._world.pipeline(self._world.dp_index(rank.rank))
+        behind = []
+        for peer in peers:
+            if peer == rank.rank:
+                continue
+            progress = self._ranks[peer].progress()
+            if progress is not None and progress <= limit:
+                behind.append(peer)
+        return tuple(behind)
+
+    # -- outcomes --
+
+    def _report(
+        self,
+        text: str,
+        *,
+        ok: bool = False,
+        finding: Report | None = None,
+        cut: tuple[CutLog, ...] = (),
+    ) -> CheckReport:
+        return CheckReport(
+            ok=ok,
+            exit_code=EXIT_OK if ok else EXIT_FINDING,
+            text=text,
+            ranks=len(self._ranks),
+            records=sum(r.records for r in self._ranks),
+            collectives=sum(r.collectives for r in self._ranks),
+            steps=max((r.steps for r in self._ranks), default=0),
+            finding=finding,
+            cut=cut,
+        )
+
+    def _cut(self) -> tuple[CutLog, ...]:
+        return tuple(
+            CutLog(
+                rank=r.rank,
+                path=r.stream.path,
+                line=r.stream.cut_line,
+                records=r.records,
+                last_step=r.last_step,
+            )
+            for r in self._ranks
+            if r.stream.cut_line is not None
+        )
+
+    def _completed(self) -> CheckReport:
+        cut = self._cut()
+        if cut:
+            lines = [f"Log cut: {c.describe()}" for c in cut]
+            lines.append("  every collective logged before the cut matched; each rank's log ends:")
+            lines += [f"  {self._ended(r)}" for r in self._ranks]
+            return self._report("\n".join(lines), cut=cut)
+        summary = self._report("")
+        if summary.records == 0:
+            return self._report(
+                f"nothing recorded: the {summary.ranks} ranks' logs hold a header and no"
+                " effect (the run stopped before its first step, or logging was off)"
+            )
+        return self._report(
+            f"ok: {summary.ranks} ranks, {summary.collectives} collectives over"
+            f" {summary.steps} steps, every communicator matches",
+            ok=True,
+        )
+
+    def _ended(self, rank: _RankReplay) -> str:
+        where = "before its first step" if rank.last_step is None else f"at step {rank.last_step}"
+        return f"rank {rank.rank}: log ends {where} ({rank.records} records), nothing pending"
+
+    def _finding(self, report: Report, waiting: DeadlockReport | None = None) -> CheckReport:
+        cut = self._cut()
+        lines = [f"Log cut: {c.describe()}" for c in cut]
+        lines.append(report.render())
+        if waiting is not None and waiting is not report:
+            lines.append("What every rank was waiting on:")
+            lines += [f"  {w.describe()}" for w in waiting.waiters]
+            if waiting.finished:
+                ended = ", ".join(str(r) for r in waiting.finished)
+                lines.append(f"  logs ended: rank(s) {ended}")
+        return self._report("\n".join(lines), finding=report, cut=cut)
+
+    def _stuck(self) -> CheckReport:
+        deadlock = self._deadlock()
+        missing = self._missing_rank(deadlock.pending)
+        if missing is not None and deadlock.cycle is None:
+            return self._finding(missing, deadlock)
+        return self._finding(deadlock)
+
+    def _at_step(self, rank: _RankReplay) -> int | None:
+        if rank.lanes.host_blocked():
+            return rank.lanes.at_step()
+        effect = rank.peek()
+        return None if effect is None else effect.step
+
+    def _missing_rank(self, pending: tuple[AwaitedCollective, ...]) -> MismatchReport | None:
+        """The earliest op some member will never post: its log ended before it."""
+        ended = {r.rank for r in self._ranks if r.peek() is None}
+        candidates = [a for a in pending if a.missing and set(a.missing) <= ended]
+        if not candidates:
+            return None
+        awaited = min(candidates, key=lambda a: (a.signature.step, a.instance.group, a.seq))
+        waiting = min(r for r in awaited.instance.group if r not in awaited.missing)
+        return MismatchReport(
+            rank=waiting,
+            instance=awaited.instance,
+            seq=awaited.seq,
+            expected=awaited.signature,
+            peer=None,
+            received=None,
+            differing=(),
+            missing=awaited.missing,
+            culprit=awaited.missing[0],
+        )
+
+    def _deadlock(self) -> DeadlockReport:
+        waiters: list[Waiter] = []
+        edges: list[WaitEdge] = []
+        for rank in self._ranks:
+            for stream, effect, culprit in rank.lanes.stalls():
+                waiters.append(
+                    Waiter(
+                        rank=rank.rank,
+                        stream=stream,
+                        step=effect.step,
+                        op=effect.op,
+                        waiting_at=describe_effect(effect),
+                        awaited=None if culprit is None else self._hub.awaited(culprit),
+                    )
+                )
+                if culprit is not None:
+                    edges += self._hub.waits_for(culprit)
+            upcoming = rank.peek()
+            if rank.lanes.host_blocked() or upcoming is None:
+                continue
+            held_back_by = self._held_back_by(rank, upcoming.step)
+            waiters.append(
+                Waiter(
+                    rank=rank.rank,
+                    stream=None,
+                    step=upcoming.step,
+                    op=upcoming.op,
+                    waiting_at=f"{describe_effect(upcoming)}, not yet issued"
+                    f" (max_steps_in_flight={self._in_flight})",
+                    awaited=None,
+                    held_back_by=held_back_by,
+                )
+            )
+            edges += [WaitEdge(rank=rank.rank, via=None, seq=None, peer=p) for p in held_back_by]
+        finished = tuple(r.rank for r in self._ranks if r.peek() is None)
+        return DeadlockReport(
+            waiters=tuple(waiters),
+            pending=self._hub.incomplete(),
+            finished=finished,
+            at_steps=tuple(self._at_step(r) for r in self._ranks),
+            cycle=find_wait_cycle(edges),
+        )

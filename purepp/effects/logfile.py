@@ -246,7 +246,8 @@ class LogStream:
                 parse_constant=_no_constant,
             )
         except UnicodeDecodeError as exc:
-            raise self._fail(line, f"byte {exc.start} of the line is not UTF-8 (corrupted file)") from exc
+            problem = f"byte {exc.start} of the line is not UTF-8 (corrupted file)"
+            raise self._fail(line, problem) from exc
         except json.JSONDecodeError as exc:
             raise self._fail(line, f"corrupted JSON at column {exc.colno} ({exc.msg})") from exc
         except _BadJSON as exc:

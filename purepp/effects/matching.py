@@ -47,14 +47,18 @@ __all__ = [
     "CollectiveSignature",
     "CommInstance",
     "DeadlockReport",
+    "MismatchClass",
     "MismatchField",
     "MismatchReport",
     "Report",
     "RingOverrunReport",
+    "WaitCycle",
+    "WaitEdge",
     "Waiter",
     "check_posts",
     "comm_group",
     "comm_instance",
+    "find_wait_cycle",
     "match_collectives",
     "signature_of",
 ]
@@ -152,6 +156,27 @@ class MismatchField(enum.Enum):
     DTYPE = "dtype"
 
 
+class MismatchClass(enum.Enum):
+    """What kind of disagreement a report is, in PyTorch flight-recorder (fr_trace) terms."""
+
+    TYPE = "type"  # different collectives (broadcast vs all-reduce)
+    SOURCE = "source"  # broadcasts from different roots
+    SIZE = "size"  # different wire shapes
+    DTYPE = "dtype"  # different element types
+    STEP = "step"  # same wire, different decode steps: a collective skipped or added earlier
+    MISSING_RANK = "missing rank"  # a member never posted the op
+
+
+# The first differing field names the class: a different type explains a different size.
+_CLASS_OF_FIELD = (
+    (MismatchField.KIND, MismatchClass.TYPE),
+    (MismatchField.SRC, MismatchClass.SOURCE),
+    (MismatchField.SHAPE, MismatchClass.SIZE),
+    (MismatchField.DTYPE, MismatchClass.DTYPE),
+    (MismatchField.STEP, MismatchClass.STEP),
+)
+
+
 def _differing(a: CollectiveSignature, b: CollectiveSignature) -> tuple[MismatchField, ...]:
     # The step is compared too: a skipped collective shows up at the step it was
     # skipped, not as a count mismatch at the end of the run.
@@ -188,6 +213,24 @@ class MismatchReport:
     received: CollectiveSignature | None  # what `peer` posted as op `seq`
     differing: tuple[MismatchField, ...]  # fields that disagree; empty when unmatched
     missing: tuple[int, ...]  # members that never posted op `seq`
+    # the member to blame: the odd one out among the posts (`rank` when there is no
+    # majority); for an unmatched op, the lowest missing member
+    culprit: int | None = None
+
+    @property
+    def classification(self) -> MismatchClass:
+        """The kind of disagreement: type, source, size, dtype, step or a missing rank."""
+        if self.received is None and self.missing:
+            return MismatchClass.MISSING_RANK
+        return next(
+            (cls for field, cls in _CLASS_OF_FIELD if field in self.differing),
+            MismatchClass.SOURCE,
+        )
+
+    @property
+    def blamed(self) -> int:
+        """The culprit rank (`rank` when none was singled out)."""
+        return self.rank if self.culprit is None else self.culprit
 
     @property
     def comm(self) -> Communicator:
@@ -208,6 +251,13 @@ class MismatchReport:
         return self.expected.op
 
     def render(self) -> str:
+        return "\n".join((self._render_body(), f"  {self.classify_line()}"))
+
+    def classify_line(self) -> str:
+        """E.g. `mismatch: size; culprit: rank 2`."""
+        return f"mismatch: {self.classification.value}; culprit: rank {self.blamed}"
+
+    def _render_body(self) -> str:
         where = f"op #{self.seq} on {self.instance.describe()}"
         if self.received is None and self.missing:
             return "\n".join(
@@ -298,6 +348,78 @@ class Waiter:
 
 
 @attrs.frozen(kw_only=True)
+class WaitEdge:
+    """`rank` cannot proceed until `peer` does something: post or reach an op on `via`."""
+
+    rank: int  # the waiting rank
+    via: CommInstance | None  # the communicator of the awaited op; None: held back by steps
+    seq: int | None  # the awaited op's number on `via`; None when held back
+    peer: int  # the rank it waits for
+
+    def describe(self) -> str:
+        if self.via is None or self.seq is None:
+            return "(steps in flight)"
+        return f"{self.via.comm.value} op #{self.seq}"
+
+
+@attrs.frozen(kw_only=True)
+class WaitCycle:
+    """Ranks that each wait for the next, round to the first: none can ever move.
+
+    Two ranks issuing collectives on two communicators in opposite orders (A then B
+    against B then A) wait on each other this way although each communicator's own
+    sequence matches, so no per-communicator comparison can see it (ROCm/rccl#2191).
+    """
+
+    edges: tuple[WaitEdge, ...]  # edges[i].peer == edges[i + 1].rank, the last back to the first
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(edge.rank for edge in self.edges)
+
+    def render(self) -> str:
+        """E.g. `rank 0 -> dp_cpu op #0 -> rank 1 -> dp_drafter_cpu op #0 -> rank 0`."""
+        parts = [f"rank {edge.rank} -> {edge.describe()}" for edge in self.edges]
+        return " -> ".join([*parts, f"rank {self.edges[0].rank}"])
+
+
+def find_wait_cycle(edges: Sequence[WaitEdge]) -> WaitCycle | None:
+    """A cycle in the wait-for graph `edges` (rank -> communicator -> rank), or None.
+
+    Deterministic: the search starts from the lowest rank and follows edges in the
+    order given, so equal inputs give equal cycles.
+    """
+    out: dict[int, list[WaitEdge]] = {}
+    for edge in edges:
+        if edge.peer != edge.rank:
+            out.setdefault(edge.rank, []).append(edge)
+    done: set[int] = set()
+    for start in sorted(out):
+        path: list[WaitEdge] = []
+        on_path: dict[int, int] = {}  # rank -> its index in path
+        stack = [(start, iter(out.get(start, ())))]
+        on_path[start] = 0
+        while stack:
+            rank, choices = stack[-1]
+            taken = next(choices, None)
+            if taken is None:
+                stack.pop()
+                done.add(rank)
+                del on_path[rank]
+                if path:
+                    path.pop()
+                continue
+            if taken.peer in on_path:
+                return WaitCycle(edges=(*path[on_path[taken.peer] :], taken))
+            if taken.peer in done:
+                continue
+            path.append(taken)
+            on_path[taken.peer] = len(path)
+            stack.append((taken.peer, iter(out.get(taken.peer, ()))))
+    return None
+
+
+@attrs.frozen(kw_only=True)
 class DeadlockReport:
     """No rank can make progress and no collective can complete."""
 
@@ -305,9 +427,12 @@ class DeadlockReport:
     pending: tuple[AwaitedCollective, ...]  # the oldest incomplete op of every instance
     finished: tuple[int, ...]  # ranks whose program ended
     at_steps: tuple[int | None, ...]  # by rank: the step it is working on; None if finished
+    cycle: WaitCycle | None = None  # ranks waiting on each other round a loop, if any
 
     def render(self) -> str:
         lines = ["Deadlock: no rank can make progress and no collective can complete."]
+        if self.cycle is not None:
+            lines.append(f"  wait-for cycle: {self.cycle.render()}")
         lines += [f"  {waiter.describe()}" for waiter in self.waiters]
         named = {w.awaited for w in self.waiters}
         others = [awaited for awaited in self.pending if awaited not in named]
@@ -323,6 +448,11 @@ class DeadlockReport:
         return "\n".join(lines)
 
     def fix(self) -> str:
+        if self.cycle is not None and any(e.via is not None for e in self.cycle.edges):
+            return (
+                "issue collectives on every communicator in one order on every rank"
+                " (NCCL asks for one issue order across communicators)"
+            )
         return (
             "make every member of each communicator issue the same collectives in the same"
             " order; a rank must never wait for a collective that its peers issue later"
@@ -419,8 +549,16 @@ def check_posts(
                 received=posts[reference],
                 differing=differing,
                 missing=(),
+                culprit=_odd_one_out(posts, rank, reference),
             )
     return None
+
+
+def _odd_one_out(posts: Mapping[int, CollectiveSignature], rank: int, reference: int) -> int:
+    """Of two disagreeing members, the one fewer members side with (fr_trace's culprit)."""
+    with_rank = sum(not _differing(post, posts[rank]) for post in posts.values())
+    with_reference = sum(not _differing(post, posts[reference]) for post in posts.values())
+    return reference if with_rank > with_reference else rank
 
 
 def _first_problem(
@@ -444,6 +582,7 @@ def _first_problem(
                 received=None,
                 differing=(),
                 missing=missing,
+                culprit=missing[0],
             )
     return None
 

@@ -43,33 +43,28 @@ from collections.abc import Callable, Iterator
 from typing import TypeAlias
 
 import attrs
-import numpy as np
 
 from purepp.effects.matching import (
-    AwaitedCollective,
     CollectiveReportError,
-    CommInstance,
     DeadlockReport,
     RingOverrunReport,
+    WaitEdge,
     Waiter,
-    check_posts,
     comm_group,
-    comm_instance,
-    signature_of,
+    find_wait_cycle,
 )
 from purepp.effects.numpy_interpreter import (
     POISON,
     NumpyInterpreter,
-    PostedCollective,
     Stall,
     describe_effect,
 )
+from purepp.effects.scheduler import CollectiveHub
 from purepp.effects.vocabulary import (
-    AllReduce,
-    Broadcast,
     Communicator,
     Effect,
     Stream,
+    Synchronize,
     WaitEvent,
     WaitStream,
 )
@@ -106,123 +101,6 @@ class SimulationResult:
 
     def interpreter(self, rank: int) -> NumpyInterpreter:
         return self.interpreters[rank]
-
-
-class _Instance:
-    """One communicator instance: who posted which op, and how far it has completed."""
-
-    def __init__(self, instance: CommInstance) -> None:
-        self.instance = instance
-        self.next_seq: dict[int, int] = dict.fromkeys(instance.group, 0)  # per member
-        self.posts: dict[int, dict[int, PostedCollective]] = {}  # seq -> member -> post
-        self.completed = 0  # ops completed, in order
-
-    def awaited(self, seq: int) -> AwaitedCollective:
-        posts = self.posts[seq]
-        first = posts[min(posts)]
-        return AwaitedCollective(
-            instance=self.instance,
-            seq=seq,
-            signature=signature_of(first.effect),
-            missing=tuple(r for r in self.instance.group if r not in posts),
-        )
-
-
-class _Hub:
-    """Every communicator of the world: matches posts, completes ops, moves data."""
-
-    def __init__(self, world: Layout, *, compare_steps: bool) -> None:
-        self._world = world
-        self._compare_steps = compare_steps
-        self._instances: dict[CommInstance, _Instance] = {}
-        self._where: dict[PostedCollective, tuple[_Instance, int]] = {}
-
-    def port(self) -> _HubPort:
-        return _HubPort(self)
-
-    def post(self, posted: PostedCollective) -> None:
-        key = comm_instance(self._world, posted.rank, posted.effect.comm)
-        state = self._instances.setdefault(key, _Instance(key))
-        seq = state.next_seq[posted.rank]
-        state.next_seq[posted.rank] = seq + 1
-        posts = state.posts.setdefault(seq, {})
-        posts[posted.rank] = posted
-        self._where[posted] = (state, seq)
-        signatures = {rank: signature_of(p.effect) for rank, p in posts.items()}
-        if self._compare_steps:
-            report = check_posts(key, seq, signatures)
-        else:
-            # Compare as the wire does, then report the posts as they were labelled.
-            unlabelled = {rank: attrs.evolve(sig, step=0) for rank, sig in signatures.items()}
-            report = check_posts(key, seq, unlabelled)
-            if report is not None:
-                peer = report.peer
-                report = attrs.evolve(
-                    report,
-                    expected=signatures[report.rank],
-                    received=None if peer is None else signatures[peer],
-                )
-        if report is not None:
-            raise CollectiveReportError.from_report(_CALL, report)
-
-    def reach_head(self, posted: PostedCollective) -> None:
-        state, _ = self._where[posted]
-        self._complete_ready(state)
-
-    def awaited(self, posted: PostedCollective) -> AwaitedCollective:
-        state, seq = self._where[posted]
-        return state.awaited(seq)
-
-    def incomplete(self) -> tuple[AwaitedCollective, ...]:
-        """The oldest incomplete op of every instance that has one."""
-        return tuple(
-            state.awaited(state.completed)
-            for state in self._instances.values()
-            if state.completed in state.posts
-        )
-
-    def _complete_ready(self, state: _Instance) -> None:
-        group = state.instance.group
-        while True:
-            posts = state.posts.get(state.completed)
-            if posts is None or len(posts) < len(group):
-                return
-            if not all(p.at_head for p in posts.values()):
-                return
-            _move_data(posts)
-            for p in posts.values():
-                p.complete()
-                del self._where[p]
-            del state.posts[state.completed]
-            state.completed += 1
-
-
-def _move_data(posts: dict[int, PostedCollective]) -> None:
-    effect = next(iter(posts.values())).effect
-    match effect:
-        case Broadcast():
-            source = posts[effect.src].array
-            for rank, p in posts.items():
-                if rank != effect.src:
-                    p.array[...] = source
-        case AllReduce():
-            # int32 sum with wrap-around, as torch and gloo reduce an int32 table.
-            total = np.sum(np.stack([p.array for p in posts.values()]), axis=0, dtype=np.int32)
-            for p in posts.values():
-                p.array[...] = total
-
-
-class _HubPort:
-    """The `CollectivePort` each rank's interpreter talks to."""
-
-    def __init__(self, hub: _Hub) -> None:
-        self._hub = hub
-
-    def post(self, posted: PostedCollective, /) -> None:
-        self._hub.post(posted)
-
-    def reach_head(self, posted: PostedCollective, /) -> None:
-        self._hub.reach_head(posted)
 
 
 class _Rank:
@@ -266,10 +144,10 @@ class _Simulation:
     ) -> None:
         self._world = world
         self._in_flight = max_steps_in_flight
-        self._hub = _Hub(world, compare_steps=compare_steps)
+        self._hub = CollectiveHub(world, call=_CALL, compare_steps=compare_steps)
         self._ranks: list[_Rank] = []
         for rank in range(world.world_size):
-            interpreter = NumpyInterpreter(rank=rank, port=self._hub.port(), fill=fill)
+            interpreter = NumpyInterpreter(rank=rank, port=self._hub, fill=fill)
             context = RankContext(
                 rank=rank,
                 stage=world.pp_stage(rank),
@@ -357,7 +235,7 @@ class _Simulation:
         is a ring overrun: the consumer is ahead of the producer's broadcasts."""
         main = next(s for s in rank.interpreter.stalls() if s.stream is Stream.MAIN)
         effect = main.effect
-        if not isinstance(effect, WaitEvent | WaitStream) or main.culprit is None:
+        if not isinstance(effect, WaitEvent | WaitStream | Synchronize) or main.culprit is None:
             return
         awaited = self._hub.awaited(main.culprit)
         live = [r for r in awaited.missing if not self._ranks[r].finished]
@@ -412,7 +290,23 @@ class _Simulation:
             pending=self._hub.incomplete(),
             finished=tuple(r.context.rank for r in self._ranks if r.finished and not r.pending),
             at_steps=tuple(r.at_step() for r in self._ranks),
+            cycle=find_wait_cycle(self._wait_edges(waiters)),
         )
+
+    def _wait_edges(self, waiters: list[Waiter]) -> list[WaitEdge]:
+        """The wait-for graph: each stuck stream's collective to the members it waits for,
+        and each held-back rank to the peers it may not run ahead of."""
+        edges: list[WaitEdge] = []
+        for rank in self._ranks:
+            for stall in rank.interpreter.stalls():
+                if stall.culprit is not None:
+                    edges += self._hub.waits_for(stall.culprit)
+        for waiter in waiters:
+            edges += [
+                WaitEdge(rank=waiter.rank, via=None, seq=None, peer=peer)
+                for peer in waiter.held_back_by
+            ]
+        return edges
 
 
 def _check_order(rank: _Rank, effect: Effect) -> None:

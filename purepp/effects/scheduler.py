@@ -1,0 +1,382 @@
+"""The matching scheduler: every communicator of a world, and each rank's streams without data.
+
+`CollectiveHub` is what the simulator and the log checker share. Ranks post their
+collectives to it in issue order; it compares each op's posts as they arrive
+(`check_posts`), completes an op once every member has posted it and it has reached
+the head of its stream on every member, and can say, for a stuck op, which members
+it waits for. That last answer is the wait-for graph (rank -> communicator -> rank)
+in which a cross-communicator order deadlock shows up as a cycle.
+
+`StreamLanes` is one rank's streams with the interpreter's ordering rules and no
+data: collectives wait for the hub, stream and event waits for the counts of the
+streams they wait on, and every other effect runs at its stream's head. The checker
+replays logs recorded on hardware through it, where the caller's tensors that a
+step reads are not in the log, so data could not move anyway.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Final, TypeAlias, assert_never
+
+import attrs
+import numpy as np
+
+from purepp.effects.matching import (
+    AwaitedCollective,
+    CollectiveReportError,
+    CommInstance,
+    WaitEdge,
+    check_posts,
+    comm_instance,
+    signature_of,
+)
+from purepp.effects.numpy_interpreter import PostedCollective
+from purepp.effects.vocabulary import (
+    Alias,
+    Allocate,
+    AllReduce,
+    Broadcast,
+    CheckHeader,
+    CopyHostToDevice,
+    Effect,
+    EventRef,
+    ForgetEvent,
+    GatherRows,
+    Pack,
+    PadColumns,
+    RecordEvent,
+    RecordStream,
+    Release,
+    ScatterRows,
+    StackRows,
+    Stream,
+    Synchronize,
+    Unpack,
+    WaitEvent,
+    WaitStream,
+    WaitWork,
+    WorkRef,
+)
+from purepp.layout import Layout
+
+__all__ = ["CollectiveHub", "StreamLanes"]
+
+
+class _Instance:
+    """One communicator instance: who posted which op, and how far it has completed."""
+
+    def __init__(self, instance: CommInstance) -> None:
+        self.instance = instance
+        self.next_seq: dict[int, int] = dict.fromkeys(instance.group, 0)  # per member
+        self.posts: dict[int, dict[int, PostedCollective]] = {}  # seq -> member -> post
+        self.completed = 0  # ops completed, in order
+
+    def awaited(self, seq: int) -> AwaitedCollective:
+        posts = self.posts[seq]
+        first = posts[min(posts)]
+        return AwaitedCollective(
+            instance=self.instance,
+            seq=seq,
+            signature=signature_of(first.effect),
+            missing=tuple(r for r in self.instance.group if r not in posts),
+        )
+
+
+class CollectiveHub:
+    """Every communicator of the world: matches posts, completes ops, moves data if asked.
+
+    Posts that disagree raise `CollectiveReportError` naming `call`. With
+    `compare_steps=False` the step labels are ignored when comparing (as on the wire)
+    and the report shows them as labelled. `completed_ranks` collects the ranks
+    whose posts completed since the caller last cleared it.
+    """
+
+    def __init__(
+        self, world: Layout, *, call: str, compare_steps: bool = True, move_data: bool = True
+    ) -> None:
+        self._world = world
+        self._call = call
+        self._compare_steps = compare_steps
+        self._move_data = move_data
+        self._instances: dict[CommInstance, _Instance] = {}
+        self._where: dict[PostedCollective, tuple[_Instance, int]] = {}
+        self.completed_ranks: set[int] = set()
+
+    def post(self, posted: PostedCollective, /) -> None:
+        key = comm_instance(self._world, posted.rank, posted.effect.comm)
+        state = self._instances.get(key)
+        if state is None:
+            state = self._instances[key] = _Instance(key)
+        seq = state.next_seq[posted.rank]
+        state.next_seq[posted.rank] = seq + 1
+        posts = state.posts.setdefault(seq, {})
+        posts[posted.rank] = posted
+        self._where[posted] = (state, seq)
+        signatures = {rank: signature_of(p.effect) for rank, p in posts.items()}
+        if self._compare_steps:
+            report = check_posts(key, seq, signatures)
+        else:
+            # Compare as the wire does, then report the posts as they were labelled.
+            unlabelled = {rank: attrs.evolve(sig, step=0) for rank, sig in signatures.items()}
+            report = check_posts(key, seq, unlabelled)
+            if report is not None:
+                peer = report.peer
+                report = attrs.evolve(
+                    report,
+                    expected=signatures[report.rank],
+                    received=None if peer is None else signatures[peer],
+                )
+        if report is not None:
+            raise CollectiveReportError.from_report(self._call, report)
+
+    def reach_head(self, posted: PostedCollective, /) -> None:
+        state, _ = self._where[posted]
+        self._complete_ready(state)
+
+    def awaited(self, posted: PostedCollective) -> AwaitedCollective:
+        state, seq = self._where[posted]
+        return state.awaited(seq)
+
+    def waits_for(self, posted: PostedCollective) -> tuple[WaitEdge, ...]:
+        """Who `posted` (incomplete) waits for: members that have not posted its op, or
+        whose post has not reached the head of its stream."""
+        state, seq = self._where[posted]
+        posts = state.posts[seq]
+        return tuple(
+            WaitEdge(rank=posted.rank, via=state.instance, seq=seq, peer=member)
+            for member in state.instance.group
+            if member != posted.rank and (member not in posts or not posts[member].at_head)
+        )
+
+    def incomplete(self) -> tuple[AwaitedCollective, ...]:
+        """The oldest incomplete op of every instance that has one."""
+        return tuple(
+            state.awaited(state.completed)
+            for state in self._instances.values()
+            if state.completed in state.posts
+        )
+
+    def _complete_ready(self, state: _Instance) -> None:
+        group = state.instance.group
+        while True:
+            posts = state.posts.get(state.completed)
+            if posts is None or len(posts) < len(group):
+                return
+            if not all(p.at_head for p in posts.values()):
+                return
+            if self._move_data:
+                _move_data(posts)
+            for p in posts.values():
+                p.complete()
+                del self._where[p]
+            self.completed_ranks.update(posts)
+            del state.posts[state.completed]
+            state.completed += 1
+
+
+def _move_data(posts: dict[int, PostedCollective]) -> None:
+    effect = next(iter(posts.values())).effect
+    match effect:
+        case Broadcast():
+            source = posts[effect.src].array
+            for rank, p in posts.items():
+                if rank != effect.src:
+                    p.array[...] = source
+        case AllReduce():
+            # int32 sum with wrap-around, as torch and gloo reduce an int32 table.
+            total = np.sum(np.stack([p.array for p in posts.values()]), axis=0, dtype=np.int32)
+            for p in posts.values():
+                p.array[...] = total
+
+
+# -- one rank's streams, without data ---------------------------------------------
+
+_NO_DATA: Final = np.empty(0, dtype=np.int64)  # the array a data-free post carries
+
+
+@attrs.define(eq=False)
+class _Run:
+    """A local effect: done as soon as it reaches its stream's head."""
+
+    effect: Effect
+
+
+@attrs.define(eq=False)
+class _Collective:
+    """A collective on a stream (or the host): done when the hub completes it."""
+
+    effect: Effect
+    posted: PostedCollective
+
+
+@attrs.define(eq=False)
+class _Wait:
+    """A wait on a stream (or the host): done when stream `on` has run `target` effects."""
+
+    effect: Effect
+    on: Stream
+    target: int
+
+
+@attrs.define(eq=False)
+class _HostWaitsWork:
+    """The host waits for an asynchronous all-reduce."""
+
+    effect: Effect
+    posted: PostedCollective
+
+
+_Queued: TypeAlias = _Run | _Collective | _Wait | _HostWaitsWork
+
+
+class StreamLanes:
+    """One rank's streams as the interpreters order them, with no data.
+
+    The MAIN stream stands for the host too (as in the numpy interpreter): the host
+    is blocked while MAIN holds an effect that cannot run. `issue` never raises for a
+    wait on an unknown event or work (a log from hardware is evidence, not input to
+    validate); such a wait is done at once.
+    """
+
+    def __init__(self, rank: int, hub: CollectiveHub) -> None:
+        self.rank = rank
+        self._hub = hub
+        self._queues: dict[Stream, deque[_Queued]] = {stream: deque() for stream in Stream}
+        self._issued: dict[Stream, int] = dict.fromkeys(Stream, 0)
+        self._ran: dict[Stream, int] = dict.fromkeys(Stream, 0)
+        self._events: dict[EventRef, tuple[Stream, int]] = {}
+        self._works: dict[WorkRef, PostedCollective] = {}
+
+    def host_blocked(self) -> bool:
+        return bool(self._queues[Stream.MAIN])
+
+    def idle(self) -> bool:
+        return not any(self._queues.values()) and not self._works
+
+    def queued(self) -> int:
+        """Effects issued and not yet run, every stream together."""
+        return sum(len(queue) for queue in self._queues.values())
+
+    def issue(self, effect: Effect) -> None:
+        """Queue `effect` on its stream and run whatever can run."""
+        match effect:
+            case WaitStream():
+                self._queue(effect.stream, _Wait(effect, effect.waits_for, self._target(effect)))
+            case Synchronize():
+                # The host waits for everything queued so far on the stream.
+                self._queue(Stream.MAIN, _Wait(effect, effect.stream, self._issued[effect.stream]))
+            case RecordEvent():
+                self._events[effect.event] = (effect.stream, self._issued[effect.stream])
+            case WaitEvent():
+                mark = self._events.pop(effect.event, None)
+                if mark is not None:
+                    self._queue(effect.stream, _Wait(effect, mark[0], mark[1]))
+            case ForgetEvent():
+                self._events.pop(effect.event, None)
+            case Broadcast():
+                posted = PostedCollective(self.rank, effect, _NO_DATA)
+                self._hub.post(posted)
+                self._queue(effect.stream, _Collective(effect, posted))
+            case AllReduce():
+                posted = PostedCollective(self.rank, effect, _NO_DATA)
+                self._hub.post(posted)
+                if effect.work is None:
+                    self._queue(Stream.MAIN, _Collective(effect, posted))
+                else:
+                    # Runs on the CPU group's own thread: never behind a stream.
+                    self._works[effect.work] = posted
+                    posted.at_head = True
+                    self._hub.reach_head(posted)
+            case WaitWork():
+                awaited = self._works.pop(effect.work, None)
+                if awaited is not None:
+                    self._queue(Stream.MAIN, _HostWaitsWork(effect, awaited))
+            case (
+                Allocate()
+                | CopyHostToDevice()
+                | CheckHeader()
+                | PadColumns()
+                | StackRows()
+                | GatherRows()
+                | ScatterRows()
+                | Pack()
+                | Unpack()
+            ):
+                self._queue(effect.stream, _Run(effect))
+            case RecordStream() | Release() | Alias():
+                pass
+            case _:
+                assert_never(effect)
+        self.advance()
+
+    def advance(self) -> bool:
+        """Run every queued effect that can run now; whether anything ran."""
+        progressed = False
+        moved = True
+        while moved:
+            moved = False
+            for stream, queue in self._queues.items():
+                while queue and self._runs(queue[0]):
+                    queue.popleft()
+                    self._ran[stream] += 1
+                    moved = progressed = True
+        return progressed
+
+    def stalls(self) -> Iterator[tuple[Stream, Effect, PostedCollective | None]]:
+        """Each stuck stream: its head effect and the collective it comes down to."""
+        for stream, queue in self._queues.items():
+            if queue:
+                yield stream, queue[0].effect, self._culprit(stream, frozenset())
+
+    def unfinished_works(self) -> tuple[PostedCollective, ...]:
+        return tuple(self._works.values())
+
+    def at_step(self) -> int | None:
+        """The step of the host's stuck effect, if the host is blocked."""
+        queue = self._queues[Stream.MAIN]
+        return queue[0].effect.step if queue else None
+
+    def _target(self, effect: WaitStream) -> int:
+        return self._issued[effect.waits_for]
+
+    def _queue(self, stream: Stream, item: _Queued) -> None:
+        self._issued[stream] += 1
+        queue = self._queues[stream]
+        # An empty stream runs a local effect at once: no need to queue it.
+        if not queue and isinstance(item, _Run):
+            self._ran[stream] += 1
+            return
+        queue.append(item)
+
+    def _runs(self, item: _Queued) -> bool:
+        match item:
+            case _Run():
+                return True
+            case _Collective():
+                if not item.posted.at_head:
+                    item.posted.at_head = True
+                    self._hub.reach_head(item.posted)
+                return item.posted.done
+            case _Wait():
+                return self._ran[item.on] >= item.target
+            case _HostWaitsWork():
+                return item.posted.done
+            case _:
+                assert_never(item)
+
+    def _culprit(self, stream: Stream, seen: frozenset[Stream]) -> PostedCollective | None:
+        queue = self._queues[stream]
+        if not queue or stream in seen:
+            return None
+        head = queue[0]
+        match head:
+            case _Collective() | _HostWaitsWork():
+                return None if head.posted.done else head.posted
+            case _Wait():
+                return self._culprit(head.on, seen | {stream})
+            case _Run():
+                return None
+            case _:
+                assert_never(head)
