@@ -28,9 +28,11 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Iterable
+from typing import Any, Protocol, cast
 
 import attrs
 
+from purepp._checks import check_bool, check_int, check_optional_int
 from purepp.errors import ConfigError, InvalidInputError
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "CUDAGraphMode",
     "CaptureMode",
     "CudaGraphDispatcher",
+    "Dispatcher",
 ]
 
 
@@ -89,24 +92,20 @@ _DECODE_MIXED: dict[CaptureMode, tuple[CUDAGraphMode, CUDAGraphMode]] = {
 
 
 def _check_descriptor(instance: BatchExecutionDescriptor) -> None:
-    counts = {"num_tokens": instance.num_tokens, "num_active_loras": instance.num_active_loras}
-    if instance.num_reqs is not None:
-        counts["num_reqs"] = instance.num_reqs
-    for name, value in counts.items():
-        if value < 0:
-            raise InvalidInputError(
-                "BatchExecutionDescriptor", f"{name}={value} is negative", "counts are >= 0"
-            )
+    call = "BatchExecutionDescriptor"
+    if not isinstance(instance.cg_mode, CUDAGraphMode):
+        raise InvalidInputError(
+            call, f"cg_mode={instance.cg_mode!r} is not a CUDAGraphMode", "pass CUDAGraphMode.X"
+        )
+    check_int(call, "num_tokens", instance.num_tokens, 0)
+    check_optional_int(call, "num_reqs", instance.num_reqs, 0)
+    check_int(call, "num_active_loras", instance.num_active_loras, 0)
+    check_int(call, "num_ubatches", instance.num_ubatches, 1, fix="pass 1 unless microbatched")
     for name, bound in (
         ("uniform_token_count", instance.uniform_token_count),
         ("max_query_len", instance.max_query_len),
     ):
-        if bound is not None and bound < 1:
-            raise InvalidInputError(
-                "BatchExecutionDescriptor",
-                f"{name}={bound} is below 1",
-                f"pass None for no {name}",
-            )
+        check_optional_int(call, name, bound, 1, fix=f"pass None for no {name}")
 
 
 @attrs.frozen(kw_only=True)
@@ -119,17 +118,67 @@ class BatchExecutionDescriptor:
     uniform_token_count: int | None = None  # tokens per request a uniform-decode graph needs
     max_query_len: int | None = None  # per-request token bound of a varlen-decode graph
     num_active_loras: int = 0  # LoRA case the graph was captured for
+    num_ubatches: int = 1  # microbatches the step is split into (1: not microbatched)
 
     def __attrs_post_init__(self) -> None:
         _check_descriptor(self)
 
 
+class Dispatcher(Protocol):
+    """Any CUDA-graph manager the DP agreement can ask for a batch's graph.
+
+    `CudaGraphDispatcher` satisfies it structurally; a runner's own manager with the
+    same `dispatch` plugs in without subclassing. Every rank of a DP group must answer
+    the same arguments with the same descriptor, since the agreement dispatches the
+    agreed values on every rank and relies on the answers matching.
+    """
+
+    def dispatch(
+        self,
+        num_reqs: int,
+        num_tokens: int,
+        uniform_token_count: int | None,
+        *,
+        num_active_loras: int = ...,
+        max_query_len: int | None = ...,
+    ) -> BatchExecutionDescriptor:
+        """The descriptor of the graph serving this batch, or an eager one."""
+        ...
+
+
 def _sizes(values: Iterable[int]) -> tuple[int, ...]:
-    return tuple(int(v) for v in values)
+    # Never int(v): a size of 3.7 is refused by the check below, not truncated to 3.
+    try:
+        return tuple(values)
+    except TypeError:
+        return cast(tuple[int, ...], values)  # not iterable: the check below names it
+
+
+_DispatchKey = tuple[int, int, int | None, int, int | None]
+_MAX_ANSWERS = 4096  # a bound on the memo: token counts above every graph are unbounded
 
 
 def _check_dispatcher(instance: CudaGraphDispatcher) -> None:
     call = "CudaGraphDispatcher"
+    if not isinstance(instance.capture_mode, CaptureMode):
+        raise ConfigError(
+            call,
+            f"capture_mode={instance.capture_mode!r} is a {type(instance.capture_mode).__name__}",
+            "pass a CaptureMode, e.g. CaptureMode.FULL (or CaptureMode('full') from a string)",
+        )
+    for name, values in (
+        ("capture_sizes", instance.capture_sizes),
+        ("lora_capture_cases", instance.lora_capture_cases),
+    ):
+        if not isinstance(values, tuple):
+            raise ConfigError(
+                call, f"{name}={values!r} is not a sequence", f"pass {name} as a tuple of ints"
+            )
+        for value in values:
+            check_int(call, f"{name} entry", value, 0, fix=f"pass {name} as ints", config=True)
+    check_int(call, "max_num_reqs", instance.max_num_reqs, 1, config=True)
+    check_int(call, "num_speculative_tokens", instance.num_speculative_tokens, 0, config=True)
+    check_bool(call, "varlen_decode", instance.varlen_decode, config=True)
     sizes = instance.capture_sizes
     if not sizes and instance.capture_mode is not CaptureMode.NONE:
         raise ConfigError(
@@ -142,14 +191,6 @@ def _check_dispatcher(instance: CudaGraphDispatcher) -> None:
             call,
             f"capture_sizes={list(sizes)} is not strictly increasing positive token counts",
             "pass sorted, distinct sizes >= 1, e.g. sorted(set(sizes))",
-        )
-    if instance.max_num_reqs < 1:
-        raise ConfigError(call, f"max_num_reqs={instance.max_num_reqs} is below 1", "pass >= 1")
-    if instance.num_speculative_tokens < 0:
-        raise ConfigError(
-            call,
-            f"num_speculative_tokens={instance.num_speculative_tokens} is negative",
-            "pass 0 without speculative decoding",
         )
     cases = instance.lora_capture_cases
     if not cases or cases[0] < 0 or any(a >= b for a, b in itertools.pairwise(cases)):
@@ -183,10 +224,16 @@ class CudaGraphDispatcher:
     varlen_decode: bool = False  # capture varlen-decode graphs instead of uniform-decode
     graphs: tuple[BatchExecutionDescriptor, ...] = attrs.field(init=False, repr=False)
     # ^ the captured graphs, derived from the fields above
+    _answers: dict[_DispatchKey, BatchExecutionDescriptor] = attrs.field(
+        init=False, repr=False, eq=False, hash=False
+    )
+    # ^ answers already given: dispatch is a pure function of its arguments, and a
+    #   decode loop asks the same few questions every step
 
     def __attrs_post_init__(self) -> None:
         _check_dispatcher(self)
         object.__setattr__(self, "graphs", self._build_graphs())
+        object.__setattr__(self, "_answers", {})
 
     @property
     def uniform_decode_query_len(self) -> int:
@@ -273,9 +320,34 @@ class CudaGraphDispatcher:
         at least `max_query_len`. Eager keeps the batch's own counts; zero tokens and
         batches above the largest graph run eager.
         """
-        self._check_dispatch(
-            num_reqs, num_tokens, uniform_token_count, num_active_loras, max_query_len
+        key = (num_reqs, num_tokens, uniform_token_count, num_active_loras, max_query_len)
+        # Exact types before the memo: True and 1.0 hash like 1 and must be refused.
+        exact = (
+            type(num_reqs) is int
+            and type(num_tokens) is int
+            and type(num_active_loras) is int
+            and (uniform_token_count is None or type(uniform_token_count) is int)
+            and (max_query_len is None or type(max_query_len) is int)
         )
+        if exact:
+            known = self._answers.get(key)
+            if known is not None:
+                return known
+        key = self._check_dispatch(*key)
+        answer = self._dispatch(*key)
+        if len(self._answers) >= _MAX_ANSWERS:
+            self._answers.clear()
+        self._answers[key] = answer
+        return answer
+
+    def _dispatch(
+        self,
+        num_reqs: int,
+        num_tokens: int,
+        uniform_token_count: int | None,
+        num_active_loras: int,
+        max_query_len: int | None,
+    ) -> BatchExecutionDescriptor:
         loras = self.effective_loras(num_active_loras)
         if num_tokens > 0:
             for mode in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
@@ -303,38 +375,37 @@ class CudaGraphDispatcher:
 
     def _check_dispatch(
         self,
-        num_reqs: int,
-        num_tokens: int,
-        uniform_token_count: int | None,
-        loras: int,
-        max_query_len: int | None,
-    ) -> None:
+        num_reqs: Any,
+        num_tokens: Any,
+        uniform_token_count: Any,
+        loras: Any,
+        max_query_len: Any,
+    ) -> _DispatchKey:
         call = "CudaGraphDispatcher.dispatch"
-        for name, value in (
-            ("num_reqs", num_reqs),
-            ("num_tokens", num_tokens),
-            ("num_active_loras", loras),
-        ):
-            if value < 0:
-                raise InvalidInputError(call, f"{name}={value} is negative", "counts are >= 0")
-        if num_reqs > self.max_num_reqs:
+        reqs = check_int(call, "num_reqs", num_reqs, 0, fix="counts are ints >= 0")
+        tokens = check_int(call, "num_tokens", num_tokens, 0, fix="counts are ints >= 0")
+        active = check_int(call, "num_active_loras", loras, 0, fix="counts are ints >= 0")
+        if reqs > self.max_num_reqs:
             raise InvalidInputError(
                 call,
-                f"num_reqs={num_reqs} exceeds max_num_reqs={self.max_num_reqs}",
+                f"num_reqs={reqs} exceeds max_num_reqs={self.max_num_reqs}",
                 "schedule at most max_num_reqs requests, or build the dispatcher with more",
             )
-        if uniform_token_count is not None and uniform_token_count < 1:
-            raise InvalidInputError(
-                call,
-                f"uniform_token_count={uniform_token_count} is below 1",
-                "pass None when the batch is not a uniform decode",
-            )
-        if max_query_len is not None and max_query_len < 1:
-            raise InvalidInputError(
-                call,
-                f"max_query_len={max_query_len} is below 1",
-                "pass None when the batch has no query-length bound",
-            )
+        uniform = check_optional_int(
+            call,
+            "uniform_token_count",
+            uniform_token_count,
+            1,
+            fix="pass None when the batch is not a uniform decode",
+        )
+        query_len = check_optional_int(
+            call,
+            "max_query_len",
+            max_query_len,
+            1,
+            fix="pass None when the batch has no query-length bound",
+        )
+        return reqs, tokens, uniform, active, query_len
 
 
 def _serves(

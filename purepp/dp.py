@@ -1,63 +1,118 @@
 """The data-parallel agreement: one CUDA-graph mode and one padded token count per step.
 
-Every DP rank contributes one column of a 5 x dp_size int32 table, the ranks
-sum-all-reduce it, and each rank decides from the reduced table alone, so the
-decision (mode, padded tokens, padded requests, uniform decode length) is the same on
-every rank and the collectives the forward pass issues next match.
+Every DP rank contributes one column of an int32 table, the ranks sum-all-reduce it,
+and each rank decides from the reduced table alone, so the decision (mode, padded
+tokens, padded requests, uniform decode length, microbatches) is the same on every
+rank and the collectives the forward pass issues next match.
 
-The agreement is two pure steps around the all-reduce:
+The agreement is two pure steps around the all-reduce, with one shape:
 
-1. `start_agreement` (the seed's `dispatch_cg_and_sync_dp`) either decides at once
-   (a single rank, or a reused `DPSyncState`: no collective) or returns a
-   `PendingAgreement` and the `AllReduce` effect that fills the table.
-2. `finish_agreement` takes the pending agreement and the reduced table and decides
-   (the seed's `sync_cudagraph_and_dp_padding`).
+1. `start_agreement(lanes, group, dispatcher, batch, step=...)` (the seed's
+   `dispatch_cg_and_sync_dp`) always returns `Step[AgreementLanes, PendingAgreement]`.
+   Its effects are one `AllReduce` of this rank's column over the lane's
+   communicator, or nothing when it decides at once (a single rank, or a reused
+   `DPSyncState`).
+2. `finish_agreement(lanes, pending, reduced_table)` always returns the
+   `DispatchOutcome` (the seed's `sync_cudagraph_and_dp_padding` after its
+   all-reduce); the table is None when the start decided at once.
 
 An asynchronous all-reduce is completed by the `WaitWork` that `wait_for_agreement`
 returns. Idle ranks (zero tokens) and eager ranks take part like any other: a rank that
 skipped the collective would leave the group one collective apart, and it would hang.
+
+**Lanes.** The target model's agreement and the drafter's run on separate lanes, each
+over its own communicator (`DP_CPU`, `DP_DRAFTER_CPU` by default), so both can be in
+flight at once. `AgreementLanes` records which step each lane has in flight; it is
+threaded explicitly, and a second start on a busy lane is a `LaneBusyError` that leaves
+it as it was. Effects are named from the lane and the step (`dp.target.step7.table`),
+so no two agreements of one rank share a name.
+
+**Table layouts.** `SEED_TABLE` is the seed's five rows (tokens, mode, uniform count,
+query-length bound, requests). `TableLayout(microbatch=MicrobatchConfig(...))` is the
+newest vLLM's six rows, which add every rank's microbatching vote before the request
+row, and decide microbatching as that code does: when every rank votes yes and the
+smallest rank's token count reaches the threshold (the decode threshold for a uniform
+decode, else the prefill one), every rank runs eager, padded to the largest token
+count, split into `num_ubatches`.
+
+**Dead ranks.** `AgreementGroup.live_ranks` names the ranks still alive. A dead rank's
+column is whatever the fault-tolerant collective left there, so the decision never
+reads it: it neither forces eager nor widens the padding, cannot block a uniform
+decode or a microbatch, and its entry in the agreed per-rank counts is 0. The
+survivors decide exactly as a group that never had the dead rank would.
+
+Departures from the code the seed and the newest vLLM run (all on purpose):
+
+- Newest layout, uniform decode: vLLM passes each rank's own `uniform_decode` flag,
+  which is not in the table; two ranks with equal uniform counts but different flags
+  hold the smallest count to different thresholds, decide differently, and the next
+  collective hangs. purepp derives the flag from agreed values only (the live ranks
+  agreed one non-zero uniform count), so no input can make the ranks diverge.
+- Newest layout, the vote: every rank, idle or not, votes the group's configuration
+  (`microbatch` set: yes); no batch can opt a rank out on its own (vllm#50945).
+- A microbatched step keeps this rank's active-LoRA count on its descriptor (vLLM's
+  drops it to 0 there, unlike its plain eager branch).
+- `DPSyncState.max_query_len` records the agreed query-length bound, so a reuse picks
+  the same varlen graph on every rank.
+- Dead-rank neutrality (above) is purepp's; the seed has no notion of a dead rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, TypeAlias
+import enum
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeAlias, TypeVar, cast
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
-from purepp.cudagraph import BatchExecutionDescriptor, CudaGraphDispatcher, CUDAGraphMode
-from purepp.effects.arrays import ARRAY_EQ, IntArray, int32_array, readonly
+from purepp._checks import INT32_MAX, check_bool, check_int, check_optional_int
+from purepp.cudagraph import BatchExecutionDescriptor, CUDAGraphMode, Dispatcher
+from purepp.effects.arrays import ARRAY_EQ, IntArray, readonly
 from purepp.effects.vocabulary import (
     AllReduce,
     BufferRef,
     Communicator,
+    Effect,
     Op,
     Release,
     WaitWork,
     WorkRef,
 )
-from purepp.errors import CollectiveMismatchError, ConfigError, InvalidInputError, StaleSyncError
+from purepp.errors import (
+    CollectiveMismatchError,
+    ConfigError,
+    InvalidInputError,
+    PureppError,
+    StaleSyncError,
+)
 from purepp.step import Step
 
 __all__ = [
+    "ROW_ALLOW_UBATCHING",
     "ROW_CG_MODE",
     "ROW_MAX_QUERY_LEN",
     "ROW_NUM_REQS",
     "ROW_NUM_TOKENS",
     "ROW_UNIFORM_TOKEN_COUNT",
+    "SEED_TABLE",
     "TABLE_ROWS",
-    "AgreementDecided",
+    "AgreementFinished",
+    "AgreementGroup",
+    "AgreementLanes",
     "AgreementStarted",
     "DPSyncState",
     "DispatchOutcome",
+    "Lane",
+    "LaneBusyError",
+    "MicrobatchConfig",
     "PendingAgreement",
     "RankBatch",
+    "TableLayout",
     "agree_across_ranks",
     "finish_agreement",
     "start_agreement",
-    "table_contribution",
     "wait_for_agreement",
 ]
 
@@ -66,36 +121,239 @@ ROW_NUM_TOKENS = 0  # tokens this rank scheduled (padded by the caller)
 ROW_CG_MODE = 1  # the CUDAGraphMode value this rank would run alone
 ROW_UNIFORM_TOKEN_COUNT = 2  # uniform decode length, 0 for none
 ROW_MAX_QUERY_LEN = 3  # per-request query-length bound, -1 for none
-ROW_NUM_REQS = 4  # requests this rank scheduled
-TABLE_ROWS = 5
+ROW_NUM_REQS = 4  # requests this rank scheduled (seed layout; see TableLayout.row_num_reqs)
+ROW_ALLOW_UBATCHING = 4  # newest layout only: 1 when this rank votes to microbatch
+TABLE_ROWS = 5  # rows of the seed's layout
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
+T = TypeVar("T")
+
+
+def _trusted(cls: type[T], **fields: object) -> T:
+    """An instance of a frozen attrs class from values the library built and checked.
+
+    Skips the public constructor's checks, which exist for caller input.
+    """
+    out = object.__new__(cls)
+    for name, value in fields.items():
+        object.__setattr__(out, name, value)
+    return out
+
+
+class LaneBusyError(PureppError):
+    """An agreement was started on a lane that already has one in flight."""
+
+
+class Lane(enum.Enum):
+    """Which agreement a lane carries; each lane has its own communicator."""
+
+    TARGET = "target"  # the target model's batch shape
+    DRAFTER = "drafter"  # the drafter's, which may be in flight beside the target's
+
+
+# -- static configuration ---------------------------------------------------------------
+
+
+def _check_microbatch(instance: MicrobatchConfig) -> None:
+    call = "MicrobatchConfig"
+    check_int(call, "num_ubatches", instance.num_ubatches, 2, 64, config=True)
+    check_int(call, "decode_token_threshold", instance.decode_token_threshold, 0, config=True)
+    check_int(call, "prefill_token_threshold", instance.prefill_token_threshold, 0, config=True)
+
+
+@attrs.frozen(kw_only=True)
+class MicrobatchConfig:
+    """The newest vLLM's microbatching (dual-batch overlap) thresholds; the same on every rank.
+
+    Defaults are vLLM's (`num_ubatches`, `dbo_decode_token_threshold`,
+    `dbo_prefill_token_threshold`).
+    """
+
+    num_ubatches: int = 2  # microbatches a microbatched step is split into
+    decode_token_threshold: int = 32  # fewest tokens on every rank to split a uniform decode
+    prefill_token_threshold: int = 512  # fewest tokens on every rank to split any other step
+
+    def __attrs_post_init__(self) -> None:
+        _check_microbatch(self)
+
+
+def _check_layout(instance: TableLayout) -> None:
+    micro = instance.microbatch
+    if micro is not None and type(micro) is not MicrobatchConfig:
+        raise ConfigError(
+            "TableLayout",
+            f"microbatch={micro!r} is a {type(micro).__name__}",
+            "pass a MicrobatchConfig for the newest six-row layout, or None for the seed's",
+        )
+
+
+@attrs.frozen(kw_only=True)
+class TableLayout:
+    """The rows of the agreement table: the seed's five, or the newest vLLM's six.
+
+    With `microbatch` set, row 4 carries every rank's microbatching vote and the request
+    counts move to row 5, as in the newest vLLM.
+    """
+
+    microbatch: MicrobatchConfig | None = None  # None: the seed's layout, no microbatching
+    rows: int = attrs.field(init=False)  # rows of the table
+    row_num_reqs: int = attrs.field(init=False)  # the row of the request counts
+
+    def __attrs_post_init__(self) -> None:
+        _check_layout(self)
+        newest = self.microbatch is not None
+        object.__setattr__(self, "rows", 6 if newest else TABLE_ROWS)
+        object.__setattr__(self, "row_num_reqs", 5 if newest else ROW_NUM_REQS)
+
+
+SEED_TABLE = TableLayout()  # the seed's five rows (the default)
+
+
+def _live_set(values: Iterable[int] | None) -> frozenset[int] | None:
+    # Anything that is not a set of ranks passes through; the group's check names it.
+    raw: Any = values
+    if raw is None or isinstance(raw, (str, bytes)):
+        return cast("frozenset[int] | None", raw)
+    try:
+        return frozenset(raw)
+    except TypeError:
+        return cast("frozenset[int] | None", raw)
+
+
+def _check_group(instance: AgreementGroup) -> None:
+    call = "AgreementGroup"
+    dp_size = check_int(call, "dp_size", instance.dp_size, 1, config=True)
+    check_int(
+        call,
+        "dp_rank",
+        instance.dp_rank,
+        0,
+        dp_size - 1,
+        fix="pass this rank's index in the DP group",
+        config=True,
+    )
+    if type(instance.layout) is not TableLayout:
+        raise ConfigError(
+            call, f"layout={instance.layout!r} is not a TableLayout", "pass SEED_TABLE or one"
+        )
+    for name, comm in (("comm", instance.comm), ("drafter_comm", instance.drafter_comm)):
+        if not isinstance(comm, Communicator):
+            raise ConfigError(call, f"{name}={comm!r} is not a Communicator", "pass one")
+    if instance.comm is instance.drafter_comm:
+        raise ConfigError(
+            call,
+            f"both lanes use {instance.comm.name}",
+            "give the drafter lane its own communicator (DP_DRAFTER_CPU), so the two "
+            "agreements in flight cannot pair with each other",
+        )
+    live = instance.live_ranks
+    if live is None:
+        return
+    if not isinstance(live, frozenset):
+        raise ConfigError(
+            call, f"live_ranks={live!r} is not a set of ranks", "pass ranks, e.g. {0, 2}"
+        )
+    for rank in live:
+        check_int(call, "live rank", rank, 0, dp_size - 1, config=True)
+    if instance.dp_rank not in live:
+        raise ConfigError(
+            call,
+            f"dp_rank={instance.dp_rank} is not among live_ranks={sorted(live)}",
+            "a rank running the agreement is alive: include it",
+        )
+
+
+@attrs.frozen(kw_only=True)
+class AgreementGroup:
+    """The DP group an agreement runs in; built once, checked once.
+
+    `live_ranks` is None while every rank is alive; once a rank has died, it names the
+    survivors, whose decision never reads the dead ranks' columns.
+    """
+
+    dp_size: int  # ranks in the group
+    dp_rank: int  # this rank's column
+    layout: TableLayout = SEED_TABLE  # which rows the table has
+    live_ranks: frozenset[int] | None = attrs.field(default=None, converter=_live_set)
+    # ^ the ranks alive, this one included; None: all of them
+    comm: Communicator = Communicator.DP_CPU  # the target lane's communicator
+    drafter_comm: Communicator = Communicator.DP_DRAFTER_CPU  # the drafter lane's
+    live: tuple[int, ...] = attrs.field(init=False, repr=False)  # live ranks, ascending
+    all_live: bool = attrs.field(init=False, repr=False)  # no rank has died
+    _padded_counts: dict[int, IntArray] = attrs.field(init=False, repr=False, eq=False, hash=False)
+    # ^ frozen per-rank arrays of one agreed count, shared by every sync that holds it
+
+    def __attrs_post_init__(self) -> None:
+        _check_group(self)
+        live = (
+            tuple(range(self.dp_size))
+            if self.live_ranks is None
+            else tuple(sorted(self.live_ranks))
+        )
+        object.__setattr__(self, "live", live)
+        object.__setattr__(self, "all_live", len(live) == self.dp_size)
+        object.__setattr__(self, "_padded_counts", {})
+
+    def comm_of(self, lane: Lane) -> Communicator:
+        """The communicator `lane` reduces its table over."""
+        return self.comm if lane is Lane.TARGET else self.drafter_comm
+
+    def mark_dead(self, *ranks: int) -> AgreementGroup:
+        """This group with `ranks` dead: later agreements ignore their columns."""
+        return attrs.evolve(self, live_ranks=frozenset(self.live).difference(ranks))
+
+    def padded_counts(self, num_tokens: int) -> IntArray:
+        """`num_tokens` for every live rank and 0 for every dead one, read-only."""
+        known = self._padded_counts.get(num_tokens)
+        if known is not None:
+            return known
+        counts = np.zeros(self.dp_size, dtype=np.int32)
+        counts[list(self.live)] = num_tokens
+        out: IntArray = readonly(counts, np.int32)
+        if len(self._padded_counts) < 1024:
+            self._padded_counts[num_tokens] = out
+        return out
+
+
+# -- per-step values ----------------------------------------------------------------------
 
 
 def _check_sync(instance: DPSyncState) -> None:
-    counts = instance.num_tokens_across_dp
-    if counts.ndim != 1 or counts.shape[0] < 1 or (counts < 0).any():
+    call = "DPSyncState"
+    counts: Any = instance.num_tokens_across_dp
+    if isinstance(counts, (list, tuple)):
+        for count in counts:
+            check_int(call, "num_tokens_across_dp entry", count, 0)
+        counts = np.array(counts, dtype=np.int32)
+    if (
+        not isinstance(counts, np.ndarray)
+        or counts.dtype.kind not in "iu"
+        or counts.ndim != 1
+        or counts.shape[0] < 1
+        or (counts < 0).any()
+        or (counts > INT32_MAX).any()
+    ):
         raise InvalidInputError(
-            "DPSyncState",
-            f"num_tokens_across_dp={counts.tolist()} is not one count >= 0 per rank",
-            "pass a 1-D array of dp_size token counts",
+            call,
+            f"num_tokens_across_dp={counts!r} is not one int count >= 0 per rank",
+            "pass a 1-D integer array of dp_size token counts",
         )
-    if instance.uniform_token_count is not None and instance.uniform_token_count < 1:
-        raise InvalidInputError(
-            "DPSyncState",
-            f"uniform_token_count={instance.uniform_token_count} is below 1",
-            "pass None when the ranks agreed on no uniform decode length",
-        )
-    if instance.num_reqs < 0:
-        raise InvalidInputError(
-            "DPSyncState", f"num_reqs={instance.num_reqs} is negative", "counts are >= 0"
-        )
-    if instance.max_query_len is not None and instance.max_query_len < 1:
-        raise InvalidInputError(
-            "DPSyncState",
-            f"max_query_len={instance.max_query_len} is below 1",
-            "pass None when the ranks agreed on no query-length bound",
-        )
+    object.__setattr__(instance, "num_tokens_across_dp", readonly(counts, np.int32))
+    check_optional_int(
+        call,
+        "uniform_token_count",
+        instance.uniform_token_count,
+        1,
+        fix="pass None when the ranks agreed on no uniform decode length",
+    )
+    check_bool(call, "eager", instance.eager)
+    check_int(call, "num_reqs", instance.num_reqs, 0)
+    check_optional_int(
+        call,
+        "max_query_len",
+        instance.max_query_len,
+        1,
+        fix="pass None when the ranks agreed on no query-length bound",
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -106,9 +364,9 @@ class DPSyncState:
     collective, so never add a per-rank value here.
     """
 
-    num_tokens_across_dp: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
+    num_tokens_across_dp: IntArray = attrs.field(eq=ARRAY_EQ, hash=False)
     # ^ per-rank token counts for the forward context: all the agreed padded count,
-    #   unless `eager`, where each rank kept its own
+    #   unless `eager`, where each rank kept its own; 0 for a dead rank
     uniform_token_count: int | None  # agreed uniform decode length; None: ranks disagreed
     eager: bool  # the ranks agreed to run eager; a dispatch reusing this runs eager too
     num_reqs: int  # agreed request bound: a FULL graph's padded count, else the most scheduled
@@ -128,28 +386,74 @@ class DispatchOutcome:
     sync: DPSyncState | None  # None with a single rank or when no rank had work
 
 
-@attrs.frozen(kw_only=True)
-class PendingAgreement:
-    """An agreement waiting for its reduced table: everything `finish_agreement` needs."""
+def _check_batch(instance: RankBatch) -> None:
+    call = "RankBatch"
+    fields: Any = instance  # caller input: any type may arrive, whatever the annotations say
+    reqs, tokens, loras = fields.num_reqs, fields.num_tokens, fields.num_active_loras
+    uniform, query_len = fields.uniform_token_count, fields.max_query_len
+    exact = (
+        type(reqs) is int
+        and type(tokens) is int
+        and type(loras) is int
+        and (uniform is None or type(uniform) is int)
+        and (query_len is None or type(query_len) is int)
+    )
+    in_range = exact and (
+        0 <= reqs <= tokens <= INT32_MAX
+        and 0 <= loras <= INT32_MAX
+        and (uniform is None or 1 <= uniform * max(reqs, 1) <= tokens)
+        and (query_len is None or 1 <= query_len <= INT32_MAX)
+    )
+    if not in_range:
+        _explain_batch(instance)
+    if type(fields.need_eager) is not bool:
+        object.__setattr__(
+            instance, "need_eager", check_bool(call, "need_eager", fields.need_eager)
+        )
+    sync = fields.dp_sync
+    if sync is not None and type(sync) is not DPSyncState:
+        raise InvalidInputError(
+            call, f"dp_sync={sync!r} is not a DPSyncState", "pass an agreement's sync, or None"
+        )
 
-    step: int  # decode step the agreement belongs to
-    comm: Communicator  # group the table is reduced over
-    dp_size: int  # ranks in that group
-    dp_rank: int  # this rank's column
-    table: BufferRef  # where the interpreter binds the reduced table
-    work: WorkRef | None  # async handle of the all-reduce; None when synchronous
-    # this rank's table (others' columns zero)
-    contribution: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
-    dispatcher: CudaGraphDispatcher | None  # None only when this rank forced eager
-    num_reqs: int  # this rank's requests (eager and PIECEWISE do not pad them)
-    num_tokens: int  # this rank's tokens (kept when the ranks agree on eager)
-    num_active_loras: int  # this rank's active adapters (never agreed across ranks)
-    desired: BatchExecutionDescriptor  # what this rank would run alone
+
+def _explain_batch(instance: RankBatch) -> None:
+    """Raise the error that says what is wrong, or store exact ints in place of numpy's."""
+    call = "RankBatch"
+    fix = "counts are ints >= 0 that fit int32"
+    reqs = check_int(call, "num_reqs", instance.num_reqs, 0, fix=fix)
+    tokens = check_int(call, "num_tokens", instance.num_tokens, 0, fix=fix)
+    loras = check_int(call, "num_active_loras", instance.num_active_loras, 0, fix=fix)
+    # 0 would read back as None from the table (0 and -1 encode None).
+    uniform = check_optional_int(call, "uniform_token_count", instance.uniform_token_count, 1)
+    query_len = check_optional_int(call, "max_query_len", instance.max_query_len, 1)
+    # A rank with more requests than a FULL graph's padded request count falls back
+    # to eager where the others replay the graph: different shapes (field failure 11).
+    if reqs > tokens:
+        raise InvalidInputError(
+            call,
+            f"num_reqs={reqs} exceeds num_tokens={tokens}",
+            "every scheduled request carries at least one token; count tokens after padding",
+        )
+    if uniform is not None and uniform * reqs > tokens:
+        raise InvalidInputError(
+            call,
+            f"uniform_token_count={uniform} x num_reqs={reqs} exceeds num_tokens={tokens}",
+            "pass the tokens per request of a uniform decode batch, else None",
+        )
+    for name, value in (
+        ("num_reqs", reqs),
+        ("num_tokens", tokens),
+        ("num_active_loras", loras),
+        ("uniform_token_count", uniform),
+        ("max_query_len", query_len),
+    ):
+        object.__setattr__(instance, name, value)
 
 
 @attrs.frozen(kw_only=True)
 class RankBatch:
-    """One rank's per-step facts: the per-rank arguments of `start_agreement`."""
+    """One rank's facts for one agreement, checked when built."""
 
     num_reqs: int  # requests scheduled on this rank
     num_tokens: int  # tokens scheduled on this rank, padded by the caller
@@ -159,119 +463,124 @@ class RankBatch:
     num_active_loras: int = 0  # active LoRA adapters on this rank
     dp_sync: DPSyncState | None = None  # an agreement over this same batch, to reuse
 
+    def __attrs_post_init__(self) -> None:
+        _check_batch(self)
 
-AgreementStarted: TypeAlias = Step[PendingAgreement, None]
-AgreementDecided: TypeAlias = Step[None, DispatchOutcome]
 
+@attrs.frozen
+class AgreementLanes:
+    """Which agreement each lane has in flight: the step, or None when the lane is free.
 
-def table_contribution(
-    *,
-    dp_size: int,
-    dp_rank: int,
-    cg_mode: CUDAGraphMode,
-    num_tokens: int,
-    num_reqs: int,
-    uniform_token_count: int | None,
-    max_query_len: int | None,
-) -> IntArray:
-    """This rank's read-only 5 x dp_size int32 table: its own column, zeros elsewhere.
-
-    Summing every rank's contribution gives the reduced table, since each column has
-    exactly one writer. None is written as 0 (uniform count) or -1 (query length).
+    Threaded explicitly: `start_agreement` takes a lane, `finish_agreement` frees it.
     """
-    table = np.zeros((TABLE_ROWS, dp_size), dtype=np.int32)
-    table[ROW_NUM_TOKENS, dp_rank] = num_tokens
-    table[ROW_CG_MODE, dp_rank] = int(cg_mode)
-    table[ROW_UNIFORM_TOKEN_COUNT, dp_rank] = uniform_token_count or 0
-    table[ROW_MAX_QUERY_LEN, dp_rank] = max_query_len or -1
-    table[ROW_NUM_REQS, dp_rank] = num_reqs
-    table.flags.writeable = False
-    return table
+
+    target: int | None = None  # step of the target agreement in flight
+    drafter: int | None = None  # step of the drafter agreement in flight
+
+    def in_flight(self, lane: Lane) -> int | None:
+        """The step `lane` has in flight, or None."""
+        return self.target if lane is Lane.TARGET else self.drafter
+
+
+_IDLE_LANES = AgreementLanes()
+
+
+@attrs.frozen(kw_only=True)
+class PendingAgreement:
+    """A started agreement: everything `finish_agreement` needs. Built by `start_agreement`."""
+
+    step: int  # decode step the agreement belongs to
+    lane: Lane  # the lane it occupies until finished
+    group: AgreementGroup  # the group it runs in
+    batch: RankBatch  # this rank's facts
+    dispatcher: Dispatcher | None  # None only when this rank forced eager
+    desired: BatchExecutionDescriptor  # what this rank would run alone
+    decided: DispatchOutcome | None  # the outcome when decided at once, with no collective
+    table: BufferRef | None  # where the interpreter binds the reduced table; None if decided
+    work: WorkRef | None  # async handle of the all-reduce; None when synchronous or decided
+    contribution: IntArray | None = attrs.field(eq=ARRAY_EQ, hash=False)
+    # ^ this rank's table (others' columns zero); None when decided
+    own: tuple[int, ...]  # this rank's column, to recognise its table
+    # Known at the start, so the finish (on the critical path when the start overlaps
+    # the forward) only decides:
+    eager: BatchExecutionDescriptor  # what this rank runs if the ranks agree on eager
+    release: tuple[Effect, ...]  # the finish's effects: release the table's binding
+
+
+AgreementStarted: TypeAlias = Step[AgreementLanes, PendingAgreement]
+AgreementFinished: TypeAlias = Step[AgreementLanes, DispatchOutcome]
+
+
+# -- start ----------------------------------------------------------------------------------
 
 
 def _check_start(
-    dispatcher: CudaGraphDispatcher | None,
     *,
-    step: int,
-    batch: RankBatch,
-    dp_size: int,
-    dp_rank: int,
-    label: str,
+    lanes: Any,
+    group: Any,
+    dispatcher: Any,
+    batch: Any,
+    step: Any,
+    lane: Any,
+    asynchronous: Any,
 ) -> None:
     call = "start_agreement"
-    if dp_size < 1:
-        raise ConfigError(call, f"dp_size={dp_size} is below 1", "pass the DP world size >= 1")
-    if not 0 <= dp_rank < dp_size:
-        raise ConfigError(
-            call,
-            f"dp_rank={dp_rank} is outside 0..{dp_size - 1}",
-            "pass this rank's index in the DP group",
-        )
-    if step < 0 or not label:
-        raise InvalidInputError(
-            call,
-            f"step={step}, label={label!r}",
-            "pass the decode step (>= 0) and a non-empty label; they name the effects",
-        )
-    for name, value in (
-        ("num_reqs", batch.num_reqs),
-        ("num_tokens", batch.num_tokens),
-        ("num_active_loras", batch.num_active_loras),
+    for name, value, cls in (
+        ("lanes", lanes, AgreementLanes),
+        ("group", group, AgreementGroup),
+        ("batch", batch, RankBatch),
     ):
-        if not 0 <= value <= _INT32_MAX:
+        if type(value) is not cls:
             raise InvalidInputError(
-                call, f"{name}={value} is outside 0..{_INT32_MAX}", "the table holds int32 counts"
+                call, f"{name}={value!r} is not an {cls.__name__}", f"pass an {cls.__name__}"
             )
-    for name, bound in (
-        ("uniform_token_count", batch.uniform_token_count),
-        ("max_query_len", batch.max_query_len),
-    ):
-        # 0 would read back as None from the table (0 and -1 encode None).
-        if bound is not None and not 1 <= bound <= _INT32_MAX:
-            raise InvalidInputError(
-                call, f"{name}={bound} is outside 1..{_INT32_MAX}", f"pass None for no {name}"
-            )
-    # A rank with more requests than a FULL graph's padded request count falls back
-    # to eager where the others replay the graph: different shapes (field failure 11).
-    if batch.num_reqs > batch.num_tokens:
+    if type(step) is not int:
+        check_int(call, "step", step, 0, fix="pass the decode step as an int >= 0")
+    if step < 0:
+        raise InvalidInputError(call, f"step={step} is negative", "pass the decode step (>= 0)")
+    if type(lane) is not Lane:
+        raise InvalidInputError(call, f"lane={lane!r} is not a Lane", "pass Lane.TARGET or DRAFTER")
+    if type(asynchronous) is not bool:
+        check_bool(call, "asynchronous", asynchronous)
+    if dispatcher is not None and not callable(getattr(dispatcher, "dispatch", None)):
         raise InvalidInputError(
             call,
-            f"num_reqs={batch.num_reqs} exceeds num_tokens={batch.num_tokens}",
-            "every scheduled request carries at least one token; count tokens after padding",
+            f"dispatcher={dispatcher!r} has no dispatch method",
+            "pass a Dispatcher (e.g. CudaGraphDispatcher), or None for a profile run",
         )
-    uniform = batch.uniform_token_count
-    if uniform is not None and uniform * batch.num_reqs > batch.num_tokens:
-        raise InvalidInputError(
+    busy = lanes.in_flight(lane)
+    if busy is not None:
+        raise LaneBusyError(
             call,
-            f"uniform_token_count={uniform} x num_reqs={batch.num_reqs} exceeds "
-            f"num_tokens={batch.num_tokens}",
-            "pass the tokens per request of a uniform decode batch, else None",
+            f"the {lane.value} lane still has the agreement of step {busy} in flight "
+            f"(starting step {step})",
+            "finish that agreement (finish_agreement) first, or start this one on the other lane",
         )
-    reuse_eager = batch.dp_sync is not None and batch.dp_sync.eager
-    if dispatcher is None and not (batch.need_eager or reuse_eager):
+    sync = batch.dp_sync
+    if dispatcher is None and not (batch.need_eager or (sync is not None and sync.eager)):
         raise ConfigError(
             call,
             "cudagraph dispatcher is None but the batch is not forced eager",
             "pass the dispatcher; only a profile run (need_eager=True) may omit it",
         )
-    if batch.dp_sync is not None:
-        _check_reuse(batch.dp_sync, batch, dp_size=dp_size, dp_rank=dp_rank)
+    if sync is not None:
+        _check_reuse(sync, batch, group)
 
 
-def _check_reuse(sync: DPSyncState, batch: RankBatch, *, dp_size: int, dp_rank: int) -> None:
+def _check_reuse(sync: DPSyncState, batch: RankBatch, group: AgreementGroup) -> None:
     call = "start_agreement"
-    if sync.num_tokens_across_dp.shape != (dp_size,):
+    if sync.num_tokens_across_dp.shape != (group.dp_size,):
         raise InvalidInputError(
             call,
-            f"dp_sync holds {sync.num_tokens_across_dp.shape[0]} ranks but dp_size={dp_size}",
+            f"dp_sync holds {sync.num_tokens_across_dp.shape[0]} ranks but dp_size={group.dp_size}",
             "reuse only a sync taken over this DP group",
         )
-    agreed_tokens = int(sync.num_tokens_across_dp[dp_rank])
+    agreed_tokens = int(sync.num_tokens_across_dp[group.dp_rank])
     if agreed_tokens != batch.num_tokens:
         raise StaleSyncError(
             call,
-            f"dp_sync was taken over a batch of {agreed_tokens} tokens on rank {dp_rank}, "
-            f"this batch has num_tokens={batch.num_tokens}",
+            f"dp_sync was taken over a batch of {agreed_tokens} tokens on rank "
+            f"{group.dp_rank}, this batch has num_tokens={batch.num_tokens}",
             "reuse a sync only for the batch it was taken over (same padded num_tokens), "
             "else pass dp_sync=None to agree afresh",
         )
@@ -285,84 +594,127 @@ def _check_reuse(sync: DPSyncState, batch: RankBatch, *, dp_size: int, dp_rank: 
         )
 
 
+def _checked_descriptor(answer: object, dispatcher: object) -> BatchExecutionDescriptor:
+    if type(answer) is not BatchExecutionDescriptor:
+        raise InvalidInputError(
+            "start_agreement",
+            f"{type(dispatcher).__name__}.dispatch returned {answer!r}",
+            "return a BatchExecutionDescriptor from dispatch",
+        )
+    return answer
+
+
 def start_agreement(
-    dispatcher: CudaGraphDispatcher | None,
+    lanes: AgreementLanes,
+    group: AgreementGroup,
+    dispatcher: Dispatcher | None,
+    batch: RankBatch,
     *,
     step: int,
-    num_reqs: int,
-    num_tokens: int,
-    uniform_token_count: int | None,
-    dp_size: int,
-    dp_rank: int,
-    max_query_len: int | None = None,
-    need_eager: bool = False,
-    num_active_loras: int = 0,
-    dp_sync: DPSyncState | None = None,
-    comm: Communicator = Communicator.DP_CPU,
+    lane: Lane = Lane.TARGET,
     asynchronous: bool = False,
-    label: str = "dp",
-) -> AgreementStarted | AgreementDecided:
-    """Pick this rank's descriptor and start agreeing it across the DP group.
+) -> AgreementStarted:
+    """Pick this rank's descriptor and start agreeing it across `group` on `lane`.
 
-    Decided at once, with no effect, when `dp_size` is 1 or `dp_sync` (an agreement
-    over this same batch, e.g. the target's, reused by a drafter's prefill) is given.
-    Otherwise returns a `PendingAgreement` and one `AllReduce` over `comm` of this
-    rank's table column; feed the reduced table to `finish_agreement`. With
-    `asynchronous` the all-reduce carries a `WorkRef`, completed by the `WaitWork`
-    of `wait_for_agreement`. Effects are named `{label}.step{step}.table` / `.work`:
-    give a second agreement in the same step its own label.
+    Decided at once, with no effect, when the group has one rank or `batch.dp_sync`
+    (an agreement over this same batch, e.g. the target's, reused by a drafter's
+    prefill) is given. Otherwise the one effect is an `AllReduce` of this rank's table
+    column over the lane's communicator; with `asynchronous` it carries a `WorkRef`,
+    completed by the `WaitWork` of `wait_for_agreement`. Either way the lane is busy
+    until `finish_agreement`.
 
-    Raises ConfigError (bad group, or no dispatcher without need_eager),
-    InvalidInputError (bad counts), StaleSyncError (`dp_sync` from another batch).
+    Raises LaneBusyError (the lane has an agreement in flight), ConfigError (no
+    dispatcher without need_eager), InvalidInputError (wrong types, a dispatcher that
+    answers no descriptor), StaleSyncError (`dp_sync` from another batch).
     """
-    batch = RankBatch(
-        num_reqs=num_reqs,
-        num_tokens=num_tokens,
-        uniform_token_count=uniform_token_count,
-        max_query_len=max_query_len,
-        need_eager=need_eager,
-        num_active_loras=num_active_loras,
-        dp_sync=dp_sync,
+    _check_start(
+        lanes=lanes,
+        group=group,
+        dispatcher=dispatcher,
+        batch=batch,
+        step=step,
+        lane=lane,
+        asynchronous=asynchronous,
     )
-    _check_start(dispatcher, step=step, batch=batch, dp_size=dp_size, dp_rank=dp_rank, label=label)
     desired = _desired_descriptor(dispatcher, batch)
-    if dp_size == 1:
-        return Step(state=None, effects=(), result=DispatchOutcome(descriptor=desired, sync=None))
-    if dp_sync is not None:
-        return Step(state=None, effects=(), result=_reuse(dp_sync, desired, num_tokens))
-    contribution = table_contribution(
-        dp_size=dp_size,
-        dp_rank=dp_rank,
-        cg_mode=desired.cg_mode,
-        num_tokens=num_tokens,
-        num_reqs=num_reqs,
-        uniform_token_count=uniform_token_count,
-        max_query_len=max_query_len,
+    busy = (
+        AgreementLanes(step, lanes.drafter)
+        if lane is Lane.TARGET
+        else AgreementLanes(lanes.target, step)
     )
-    table = BufferRef(f"{label}.step{step}.table")
-    work = WorkRef(f"{label}.step{step}.work") if asynchronous else None
+    decided: DispatchOutcome | None = None
+    if group.dp_size == 1:
+        decided = DispatchOutcome(descriptor=desired, sync=None)
+    elif batch.dp_sync is not None:
+        decided = _reuse(batch.dp_sync, desired, batch.num_tokens)
+    if decided is not None:
+        pending = PendingAgreement(
+            step=step,
+            lane=lane,
+            group=group,
+            batch=batch,
+            dispatcher=dispatcher,
+            desired=desired,
+            decided=decided,
+            table=None,
+            work=None,
+            contribution=None,
+            own=(),
+            eager=desired,
+            release=(),
+        )
+        return Step(state=busy, effects=(), result=pending)
+    own = _column(group, batch, desired)
+    table = np.zeros((group.layout.rows, group.dp_size), dtype=np.int32)
+    table[:, group.dp_rank] = own
+    contribution: IntArray = readonly(table, np.int32)
+    prefix = f"dp.{lane.value}.step{step}"
+    table_ref = BufferRef(f"{prefix}.table")
+    work = WorkRef(f"{prefix}.work") if asynchronous else None
     pending = PendingAgreement(
         step=step,
-        comm=comm,
-        dp_size=dp_size,
-        dp_rank=dp_rank,
-        table=table,
+        lane=lane,
+        group=group,
+        batch=batch,
+        dispatcher=dispatcher,
+        desired=desired,
+        decided=None,
+        table=table_ref,
         work=work,
         contribution=contribution,
-        dispatcher=dispatcher,
-        num_reqs=num_reqs,
-        num_tokens=num_tokens,
-        num_active_loras=num_active_loras,
-        desired=desired,
+        own=own,
+        eager=_eager_for(batch, desired),
+        release=(Release(step=step, op=Op.AGREE, buffer=table_ref),),
     )
     all_reduce = AllReduce(
-        step=step, op=Op.AGREE, contribution=contribution, result=table, comm=comm, work=work
+        step=step,
+        op=Op.AGREE,
+        contribution=contribution,
+        result=table_ref,
+        comm=group.comm_of(lane),
+        work=work,
     )
-    return Step(state=pending, effects=(all_reduce,), result=None)
+    return Step(state=busy, effects=(all_reduce,), result=pending)
+
+
+def _column(
+    group: AgreementGroup, batch: RankBatch, desired: BatchExecutionDescriptor
+) -> tuple[int, ...]:
+    """This rank's column; None is written as 0 (uniform count) or -1 (query length)."""
+    head = (
+        batch.num_tokens,
+        int(desired.cg_mode),
+        batch.uniform_token_count or 0,
+        batch.max_query_len or -1,
+    )
+    if group.layout.microbatch is None:
+        return (*head, batch.num_reqs)
+    # Every rank votes the group's configuration, idle or not (vllm#50945).
+    return (*head, 1, batch.num_reqs)
 
 
 def _desired_descriptor(
-    dispatcher: CudaGraphDispatcher | None, batch: RankBatch
+    dispatcher: Dispatcher | None, batch: RankBatch
 ) -> BatchExecutionDescriptor:
     sync = batch.dp_sync
     if batch.need_eager or (sync is not None and sync.eager):
@@ -373,22 +725,44 @@ def _desired_descriptor(
     # so they replace this rank's: every rank then picks the same graph.
     uniform = sync.uniform_token_count if sync is not None else batch.uniform_token_count
     query_len = sync.max_query_len if sync is not None else batch.max_query_len
-    return dispatcher.dispatch(
+    answer = dispatcher.dispatch(
         batch.num_reqs,
         batch.num_tokens,
         uniform,
         num_active_loras=batch.num_active_loras,
         max_query_len=query_len,
     )
+    return _checked_descriptor(answer, dispatcher)
 
 
-def _eager(num_tokens: int, num_reqs: int, num_active_loras: int) -> BatchExecutionDescriptor:
-    return BatchExecutionDescriptor(
+def _eager(
+    num_tokens: int, num_reqs: int, num_active_loras: int, num_ubatches: int = 1
+) -> BatchExecutionDescriptor:
+    return _trusted(
+        BatchExecutionDescriptor,
         cg_mode=CUDAGraphMode.NONE,
         num_tokens=num_tokens,
         num_reqs=num_reqs,
+        uniform_token_count=None,
+        max_query_len=None,
         num_active_loras=num_active_loras,
+        num_ubatches=num_ubatches,
     )
+
+
+def _eager_for(batch: RankBatch, desired: BatchExecutionDescriptor) -> BatchExecutionDescriptor:
+    """This rank's own counts, eager: what it runs when any rank runs eager."""
+    loras = desired.num_active_loras
+    if (
+        desired.cg_mode is CUDAGraphMode.NONE
+        and desired.num_tokens == batch.num_tokens
+        and desired.num_reqs == batch.num_reqs
+        and desired.num_ubatches == 1
+        and desired.uniform_token_count is None
+        and desired.max_query_len is None
+    ):
+        return desired
+    return _eager(batch.num_tokens, batch.num_reqs, loras)
 
 
 def _reuse(
@@ -396,31 +770,46 @@ def _reuse(
 ) -> DispatchOutcome:
     if not sync.eager and desired.num_tokens != num_tokens:
         # This dispatcher's capture sizes may pad further than the one that agreed;
-        # every rank pads alike, so report the count that will run.
-        padded = np.full_like(sync.num_tokens_across_dp, desired.num_tokens)
+        # every rank pads alike, so report the count that will run (dead ranks keep 0).
+        counts = sync.num_tokens_across_dp
+        padded = np.where(counts > 0, desired.num_tokens, 0).astype(np.int32)
         sync = attrs.evolve(sync, num_tokens_across_dp=padded)
     return DispatchOutcome(descriptor=desired, sync=sync)
 
 
-def wait_for_agreement(pending: PendingAgreement) -> Step[PendingAgreement, BufferRef]:
+# -- wait and finish --------------------------------------------------------------------------
+
+
+def wait_for_agreement(pending: PendingAgreement) -> Step[PendingAgreement, BufferRef | None]:
     """Complete the all-reduce before reading the table: a `WaitWork` when asynchronous.
 
-    The result names the buffer the reduced table is bound to.
+    The result names the buffer the reduced table is bound to, None when the start
+    decided at once (then pass None as the table to `finish_agreement`).
     """
-    effects = () if pending.work is None else (_wait(pending, pending.work),)
-    return Step(state=pending, effects=effects, result=pending.table)
-
-
-def _wait(pending: PendingAgreement, work: WorkRef) -> WaitWork:
-    return WaitWork(step=pending.step, op=Op.AGREE, work=work)
+    if type(pending) is not PendingAgreement:
+        raise InvalidInputError(
+            "wait_for_agreement",
+            f"pending={pending!r} is not a PendingAgreement",
+            "pass the result of start_agreement",
+        )
+    if pending.work is None:
+        return Step(state=pending, effects=(), result=pending.table)
+    wait = WaitWork(step=pending.step, op=Op.AGREE, work=pending.work)
+    return Step(state=pending, effects=(wait,), result=pending.table)
 
 
 def finish_agreement(
-    pending: PendingAgreement, reduced_table: npt.NDArray[Any]
-) -> AgreementDecided:
-    """Decide from the reduced table; the same table gives every rank the same decision.
+    lanes: AgreementLanes,
+    pending: PendingAgreement,
+    reduced_table: npt.NDArray[Any] | None,
+) -> AgreementFinished:
+    """Decide from the reduced table (None when the start decided at once); free the lane.
+
+    The same table gives every rank the same decision. Over the live ranks:
 
     - No rank has tokens: NONE with 0 tokens and 0 requests, and no sync.
+    - Newest layout, every rank voted to microbatch and the fewest tokens reach the
+      threshold: eager, split into `num_ubatches`, every rank padded to the most tokens.
     - Any rank eager: all eager, each keeping its own counts; the sync records every
       rank's unpadded tokens and the most requests any rank scheduled.
     - Else dispatch the agreed values (most tokens of any rank, the uniform count if
@@ -431,154 +820,272 @@ def finish_agreement(
 
     The one effect releases the reduced table's binding: the caller has read it.
 
-    Raises InvalidInputError when the table is not the int32 [5, dp_size] sum of the
-    ranks' contributions for this agreement.
+    Raises InvalidInputError when `pending` is not in flight in `lanes`, or the table is
+    not the int32 sum of the ranks' contributions for this agreement (a dead rank's
+    column is never read, so it is never checked).
     """
-    table = _check_table(pending, reduced_table)
-    release = Release(step=pending.step, op=Op.AGREE, buffer=pending.table)
-    return Step(state=None, effects=(release,), result=_decide(pending, table))
-
-
-def _check_table(pending: PendingAgreement, reduced_table: npt.NDArray[Any]) -> IntArray:
-    call = "finish_agreement"
-    expected = (TABLE_ROWS, pending.dp_size)
-    if not isinstance(reduced_table, np.ndarray):
-        raise InvalidInputError(
-            call,
-            f"reduced_table is a {type(reduced_table).__name__}",
-            "pass the reduced table as a numpy array (tensor.numpy())",
-        )
-    if reduced_table.dtype != np.int32 or reduced_table.shape != expected:
-        raise InvalidInputError(
-            call,
-            f"reduced_table is {reduced_table.dtype}{list(reduced_table.shape)}, "
-            f"expected int32{list(expected)}",
-            "pass the all-reduced table bound to the pending agreement's `table`",
-        )
-    table: IntArray = readonly(reduced_table, np.int32)
-    own = pending.contribution[:, pending.dp_rank]
-    if not np.array_equal(table[:, pending.dp_rank], own):
-        raise InvalidInputError(
-            call,
-            f"column {pending.dp_rank} is {table[:, pending.dp_rank].tolist()} but this rank "
-            f"contributed {own.tolist()}",
-            "pass the table reduced from this agreement's contribution (same step and label)",
-        )
-    modes = table[ROW_CG_MODE]
-    malformed = (
-        (table[ROW_NUM_TOKENS] < 0).any()
-        or (table[ROW_NUM_REQS] < 0).any()
-        or (table[ROW_UNIFORM_TOKEN_COUNT] < 0).any()
-        or (table[ROW_MAX_QUERY_LEN] < -1).any()
-        or (table[ROW_MAX_QUERY_LEN] == 0).any()
-        or (modes < min(CUDAGraphMode)).any()
-        or (modes > max(CUDAGraphMode)).any()
+    _check_finish(lanes, pending)
+    free = (
+        AgreementLanes(None, lanes.drafter)
+        if pending.lane is Lane.TARGET
+        else AgreementLanes(lanes.target, None)
     )
-    if malformed:
+    if pending.decided is not None:
+        if reduced_table is not None:
+            raise InvalidInputError(
+                "finish_agreement",
+                "a reduced table was passed for an agreement decided at once",
+                "pass None: this start issued no collective (wait_for_agreement gives None)",
+            )
+        return Step(state=free, effects=(), result=pending.decided)
+    lows, highs, live_table = _check_table(pending, reduced_table)
+    outcome = _decide(pending, lows, highs, live_table)
+    return Step(state=free, effects=pending.release, result=outcome)
+
+
+def _check_finish(lanes: Any, pending: Any) -> None:
+    call = "finish_agreement"
+    if type(lanes) is not AgreementLanes or type(pending) is not PendingAgreement:
         raise InvalidInputError(
             call,
-            f"reduced_table holds values no rank contributes: {table.tolist()}",
+            f"lanes={type(lanes).__name__}, pending={type(pending).__name__}",
+            "pass the AgreementLanes and the PendingAgreement start_agreement returned",
+        )
+    if lanes.in_flight(pending.lane) != pending.step:
+        raise InvalidInputError(
+            call,
+            f"the {pending.lane.value} lane has step {lanes.in_flight(pending.lane)} in "
+            f"flight, not this agreement's step {pending.step}",
+            "finish each agreement once, with the lanes its start returned (or later ones)",
+        )
+
+
+def _bad_table(problem: str, fix: str) -> InvalidInputError:
+    return InvalidInputError("finish_agreement", problem, fix)
+
+
+_INT32 = np.dtype(np.int32)
+_SMALL_GROUP = 16  # up to this many columns, builtins over lists beat numpy's reductions
+
+
+def _check_table(
+    pending: PendingAgreement, reduced_table: Any
+) -> tuple[list[int], list[int], npt.NDArray[np.int32]]:
+    """Each row's smallest and largest live value, and the live columns, checked once.
+
+    The decision depends on the table only through these, so the table is read once:
+    its shape and dtype, this rank's column, and that the live values are ones some
+    rank could contribute. A dead rank's column is never read, so never checked.
+    """
+    group = pending.group
+    expected = (group.layout.rows, group.dp_size)
+    if (
+        type(reduced_table) is not np.ndarray
+        or reduced_table.dtype is not _INT32
+        or reduced_table.shape != expected
+    ):
+        described = (
+            f"{reduced_table.dtype}{list(reduced_table.shape)}"
+            if isinstance(reduced_table, np.ndarray)
+            else type(reduced_table).__name__
+        )
+        raise _bad_table(
+            f"reduced_table is {described}, expected an int32{list(expected)} numpy array",
+            "pass the all-reduced table bound to the pending agreement's `table` (tensor.numpy())",
+        )
+    rank = group.dp_rank
+    if tuple(reduced_table[:, rank].tolist()) != pending.own:
+        raise _bad_table(
+            f"column {rank} is {reduced_table[:, rank].tolist()} but this rank contributed "
+            f"{list(pending.own)}",
+            "pass the table reduced from this agreement's contribution (same lane and step)",
+        )
+    live_table = reduced_table if group.all_live else reduced_table[:, group.live]
+    if len(group.live) <= _SMALL_GROUP:
+        rows = live_table.tolist()
+        lows = [min(row) for row in rows]
+        highs = [max(row) for row in rows]
+    else:
+        lows = live_table.min(axis=1).tolist()
+        highs = live_table.max(axis=1).tolist()
+    query_low = lows[ROW_MAX_QUERY_LEN]
+    sane = (
+        lows[ROW_NUM_TOKENS] >= 0
+        and lows[group.layout.row_num_reqs] >= 0
+        and lows[ROW_UNIFORM_TOKEN_COUNT] >= 0
+        and query_low >= -1
+        and query_low != 0  # 0 is never written; with a -1 present no bound is read
+        and lows[ROW_CG_MODE] >= CUDAGraphMode.NONE
+        and highs[ROW_CG_MODE] <= CUDAGraphMode.FULL
+    )
+    if sane and group.layout.microbatch is not None:
+        sane = lows[ROW_ALLOW_UBATCHING] >= 0 and highs[ROW_ALLOW_UBATCHING] <= 1
+    if not sane:
+        raise _bad_table(
+            f"reduced_table holds values no rank contributes: {reduced_table.tolist()}",
             "sum-all-reduce the contributions of start_agreement, nothing else",
         )
-    return table
+    return lows, highs, live_table
 
 
-def _decide(pending: PendingAgreement, table: IntArray) -> DispatchOutcome:
-    tokens = table[ROW_NUM_TOKENS]
-    uniform_counts = table[ROW_UNIFORM_TOKEN_COUNT]
-    query_lens = table[ROW_MAX_QUERY_LEN]
-    most_reqs = int(table[ROW_NUM_REQS].max())
-    # 0 encodes None, and one dissenting rank is a disagreement: then no uniform count.
-    first_uniform = int(uniform_counts[0])
-    agreed_uniform = (
-        first_uniform if first_uniform != 0 and (uniform_counts == first_uniform).all() else None
-    )
-    # Varlen graphs are chosen by the query-length bound, so it must be agreed too.
-    agreed_query_len = int(query_lens.max()) if (query_lens != -1).all() else None
-    if (tokens == 0).all():
-        descriptor = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=0, num_reqs=0)
-        return DispatchOutcome(descriptor=descriptor, sync=None)
-    if CUDAGraphMode(int(table[ROW_CG_MODE].min())) is CUDAGraphMode.NONE:
-        descriptor = _eager(pending.num_tokens, pending.num_reqs, pending.desired.num_active_loras)
-        sync = DPSyncState(
-            num_tokens_across_dp=tokens,
-            uniform_token_count=agreed_uniform,
-            eager=True,
-            num_reqs=most_reqs,
-            max_query_len=agreed_query_len,
+_IDLE = DispatchOutcome(
+    descriptor=BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=0, num_reqs=0),
+    sync=None,
+)
+
+
+def _decide(
+    pending: PendingAgreement,
+    lows: list[int],
+    highs: list[int],
+    live_table: npt.NDArray[np.int32],
+) -> DispatchOutcome:
+    """The decision from each row's live minimum and maximum (the same on every rank)."""
+    most_tokens = highs[ROW_NUM_TOKENS]
+    if most_tokens == 0:
+        return _IDLE
+    group = pending.group
+    most_reqs = highs[group.layout.row_num_reqs]
+    # All equal and non-zero (0 encodes None); one dissenting rank is a disagreement.
+    uniform = highs[ROW_UNIFORM_TOKEN_COUNT]
+    agreed_uniform = uniform if uniform and lows[ROW_UNIFORM_TOKEN_COUNT] == uniform else None
+    # Varlen graphs are chosen by the query-length bound, so it must be agreed too: the
+    # largest, when no rank wrote -1 (None).
+    agreed_query_len = highs[ROW_MAX_QUERY_LEN] if lows[ROW_MAX_QUERY_LEN] != -1 else None
+    micro = group.layout.microbatch
+    if micro is not None and lows[ROW_ALLOW_UBATCHING] == 1:
+        # purepp's departure: uniform decode is derived from agreed values only.
+        threshold = (
+            micro.decode_token_threshold
+            if agreed_uniform is not None
+            else micro.prefill_token_threshold
         )
-        return DispatchOutcome(descriptor=descriptor, sync=sync)
+        # Thresholds grow with the token count: holding the smallest rank to them holds all.
+        if lows[ROW_NUM_TOKENS] >= threshold:
+            batch = pending.batch
+            descriptor = _eager(
+                most_tokens, batch.num_reqs, pending.desired.num_active_loras, micro.num_ubatches
+            )
+            counts = group.padded_counts(most_tokens)
+            sync = _sync(counts, agreed_uniform, True, most_reqs, agreed_query_len)
+            return DispatchOutcome(descriptor=descriptor, sync=sync)
+    if lows[ROW_CG_MODE] == CUDAGraphMode.NONE:
+        counts = _own_counts(group, live_table[ROW_NUM_TOKENS])
+        sync = _sync(counts, agreed_uniform, True, most_reqs, agreed_query_len)
+        return DispatchOutcome(descriptor=pending.eager, sync=sync)
     dispatcher = pending.dispatcher
     if dispatcher is None:  # unreachable: this rank contributed NONE, so the min is NONE
-        raise InvalidInputError(
-            "finish_agreement", "no dispatcher for an agreed graph", "pass a checked table"
-        )
-    descriptor = dispatcher.dispatch(
-        pending.num_reqs,
-        int(tokens.max()),
-        agreed_uniform,
-        num_active_loras=pending.num_active_loras,
-        max_query_len=agreed_query_len,
+        raise _bad_table("no dispatcher for an agreed graph", "pass a checked table")
+    batch = pending.batch
+    descriptor = _checked_descriptor(
+        dispatcher.dispatch(
+            batch.num_reqs,
+            most_tokens,
+            agreed_uniform,
+            num_active_loras=batch.num_active_loras,
+            max_query_len=agreed_query_len,
+        ),
+        dispatcher,
     )
     full_reqs = descriptor.num_reqs if descriptor.cg_mode is CUDAGraphMode.FULL else None
-    sync = DPSyncState(
-        num_tokens_across_dp=np.full(pending.dp_size, descriptor.num_tokens, dtype=np.int32),
-        uniform_token_count=agreed_uniform,
-        eager=False,
-        num_reqs=full_reqs if full_reqs is not None else most_reqs,
-        max_query_len=agreed_query_len,
+    sync = _sync(
+        group.padded_counts(descriptor.num_tokens),
+        agreed_uniform,
+        False,
+        full_reqs if full_reqs is not None else most_reqs,
+        agreed_query_len,
     )
     return DispatchOutcome(descriptor=descriptor, sync=sync)
 
 
+def _own_counts(group: AgreementGroup, live_tokens: npt.NDArray[np.int32]) -> IntArray:
+    """Every live rank's own (unpadded) token count, 0 for a dead rank: an immutable copy."""
+    if not group.all_live:
+        counts = np.zeros(group.dp_size, dtype=np.int32)
+        counts[list(group.live)] = live_tokens
+        live_tokens = counts
+    # A view of bytes: the caller's table stays theirs, and the copy cannot be thawed.
+    out: IntArray = np.frombuffer(live_tokens.tobytes(), dtype=np.int32)
+    return out
+
+
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _sync(
+    counts: IntArray,
+    uniform: int | None,
+    eager: bool,
+    num_reqs: int,
+    max_query_len: int | None,
+) -> DPSyncState:
+    """A DPSyncState from agreed values the library checked (no constructor checks)."""
+    out = _new(DPSyncState)
+    _set(out, "num_tokens_across_dp", counts)
+    _set(out, "uniform_token_count", uniform)
+    _set(out, "eager", eager)
+    _set(out, "num_reqs", num_reqs)
+    _set(out, "max_query_len", max_query_len)
+    return out
+
+
+# -- every rank in one process ------------------------------------------------------------
+
+
 def agree_across_ranks(
-    dispatcher: CudaGraphDispatcher | None,
+    dispatcher: Dispatcher | None,
     batches: Sequence[RankBatch],
     *,
     step: int = 0,
-    comm: Communicator = Communicator.DP_CPU,
+    layout: TableLayout = SEED_TABLE,
+    live_ranks: Iterable[int] | None = None,
+    lane: Lane = Lane.TARGET,
     asynchronous: bool = False,
-    label: str = "dp",
 ) -> tuple[DispatchOutcome, ...]:
-    """Every rank's outcome, rank i running `batches[i]`: the all-reduce done in-process.
+    """Every live rank's outcome, rank i running `batches[i]`: the all-reduce in-process.
 
     Runs `start_agreement` on every rank, sums the contributions and runs
-    `finish_agreement` on every rank: the same code a real group runs, for tests and
-    the simulator. Raises CollectiveMismatchError when some ranks would issue the
+    `finish_agreement` on every live rank: the same code a real group runs, for tests
+    and the simulator. A dead rank's column holds what its batch would contribute (a
+    stale column), which the survivors must ignore. Returns the live ranks' outcomes in
+    rank order. Raises CollectiveMismatchError when some ranks would issue the
     all-reduce and others would not (a hang in a real group).
     """
+    call = "agree_across_ranks"
     dp_size = len(batches)
     if dp_size < 1:
-        raise ConfigError("agree_across_ranks", "batches is empty", "pass one batch per rank")
-    started = [
-        start_agreement(
-            dispatcher,
-            step=step,
-            num_reqs=b.num_reqs,
-            num_tokens=b.num_tokens,
-            uniform_token_count=b.uniform_token_count,
+        raise ConfigError(call, "batches is empty", "pass one batch per rank")
+    live = None if live_ranks is None else frozenset(live_ranks)
+    # A dead rank ran its start before it died: its column is stale, not absent.
+    groups = [
+        AgreementGroup(
             dp_size=dp_size,
             dp_rank=rank,
-            max_query_len=b.max_query_len,
-            need_eager=b.need_eager,
-            num_active_loras=b.num_active_loras,
-            dp_sync=b.dp_sync,
-            comm=comm,
-            asynchronous=asynchronous,
-            label=label,
+            layout=layout,
+            live_ranks=live if live is not None and rank in live else None,
         )
-        for rank, b in enumerate(batches)
+        for rank in range(dp_size)
     ]
-    decided = [s.result for s in started if s.result is not None]
-    pending = [s.state for s in started if s.state is not None]
-    if decided and pending:
-        joined = [rank for rank, s in enumerate(started) if s.state is not None]
+    started = [
+        start_agreement(
+            _IDLE_LANES, g, dispatcher, b, step=step, lane=lane, asynchronous=asynchronous
+        )
+        for g, b in zip(groups, batches, strict=True)
+    ]
+    survivors = [r for r in range(dp_size) if live is None or r in live]
+    pending = [s.result for s in started]
+    decided = [p.decided for p in pending if p.decided is not None]
+    if decided and len(decided) != dp_size:
+        joined = [p.group.dp_rank for p in pending if p.decided is None]
         raise CollectiveMismatchError(
-            "agree_across_ranks",
+            call,
             f"ranks {joined} issue the agreement all-reduce, the others reuse a dp_sync",
             "reuse a dp_sync on every rank of the group or on none",
         )
     if decided:
-        return tuple(decided)
-    reduced: IntArray = np.stack([p.contribution for p in pending]).sum(axis=0, dtype=np.int32)
-    return tuple(finish_agreement(p, reduced).result for p in pending)
+        return tuple(decided[r] for r in survivors)
+    reduced = np.zeros((layout.rows, dp_size), dtype=np.int32)
+    for p in pending:
+        reduced += p.contribution if p.contribution is not None else 0
+    return tuple(finish_agreement(started[r].state, pending[r], reduced).result for r in survivors)

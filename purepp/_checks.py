@@ -1,0 +1,73 @@
+"""Checks of caller input shared by the pure core: ints that are ints, values in range.
+
+A public entry point checks its arguments here once, then trusts what it builds. Each
+check raises a typed error naming the call, the value and the fix; none of them ever
+truncates (3.7 is refused, never read as 3) or lets a raw TypeError escape.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import numpy as np
+
+from purepp.errors import ConfigError, InvalidInputError
+
+__all__ = ["INT32_MAX", "check_bool", "check_int", "check_optional_int"]
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _as_int(value: Any) -> int | None:
+    """`value` as an int when it is an integer (numpy integers too), else None."""
+    if type(value) is int:
+        return value
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        return None
+    return operator.index(value)
+
+
+def check_int(
+    call: str,
+    name: str,
+    value: Any,
+    lo: int,
+    hi: int = INT32_MAX,
+    *,
+    fix: str = "",
+    config: bool = False,
+) -> int:
+    """`value` as an int in lo..hi; a typed error otherwise (ConfigError when `config`)."""
+    error = ConfigError if config else InvalidInputError
+    as_int = _as_int(value)
+    if as_int is None:
+        raise error(
+            call,
+            f"{name}={value!r} is a {type(value).__name__}, not an int",
+            fix or f"pass {name} as an int in {lo}..{hi}",
+        )
+    if not lo <= as_int <= hi:
+        raise error(
+            call, f"{name}={as_int} is outside {lo}..{hi}", fix or f"pass {name} in {lo}..{hi}"
+        )
+    return as_int
+
+
+def check_optional_int(
+    call: str, name: str, value: Any, lo: int, hi: int = INT32_MAX, *, fix: str = ""
+) -> int | None:
+    """None, or `value` as an int in lo..hi (see `check_int`)."""
+    if value is None:
+        return None
+    return check_int(call, name, value, lo, hi, fix=fix or f"pass {name} in {lo}..{hi}, or None")
+
+
+def check_bool(call: str, name: str, value: Any, *, config: bool = False) -> bool:
+    """`value` when it is a bool (numpy's too); 1, 'yes' and None are refused."""
+    if type(value) is bool:
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    error = ConfigError if config else InvalidInputError
+    raise error(call, f"{name}={value!r} is a {type(value).__name__}", f"pass {name} as a bool")
