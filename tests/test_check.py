@@ -1,0 +1,442 @@
+"""`purepp check` over what runs and crashes leave: the checker's findings and exit codes.
+
+Logs here are written effect by effect (no relay), so each test shows one reading:
+a matched run, a mismatch with its class and culprit, a cross-communicator order
+deadlock with its wait-for cycle, a log cut mid-record, logs of other runs mixed in.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from purepp.effects.checker import (
+    EXIT_FINDING,
+    EXIT_OK,
+    EXIT_UNUSABLE,
+    CheckReport,
+    check_log_dir,
+    check_logs,
+)
+from purepp.effects.log import EffectLog, LogHeader, dump_logs, load_log, log_file_name
+from purepp.effects.logmodel import config_digest
+from purepp.effects.matching import (
+    DeadlockReport,
+    MismatchClass,
+    MismatchReport,
+    match_collectives,
+)
+from purepp.effects.vocabulary import (
+    Allocate,
+    AllReduce,
+    Broadcast,
+    BufferRef,
+    Communicator,
+    DType,
+    Effect,
+    Op,
+    Release,
+    Stream,
+    Synchronize,
+)
+from purepp.errors import LogFormatError
+from purepp.layout import Layout
+
+PAIR = Layout(pp=2, dp=1)  # a two-stage pipeline: ranks 0 and 1 share pp_relay
+REPLICAS = Layout(pp=1, dp=2)  # two DP replicas: ranks 0 and 1 share dp_cpu and dp_drafter_cpu
+CONFIG = {"model": "toy", "seed": 3}
+
+
+def relay(
+    step: int,
+    *,
+    src: int = 1,
+    shape: tuple[int, ...] = (4, 2),
+    dtype: DType = DType.INT64,
+    op: Op = Op.RECEIVE,
+) -> tuple[Effect, ...]:
+    """A relay step's receive (or send): allocate the wire buffer, broadcast it, release it."""
+    buffer = BufferRef(f"tokens.{step}")
+    return (
+        Allocate(step=step, op=op, buffer=buffer, shape=shape, dtype=dtype, stream=Stream.RELAY),
+        Broadcast(
+            step=step,
+            op=op,
+            buffer=buffer,
+            shape=shape,
+            dtype=dtype,
+            src=src,
+            comm=Communicator.PP_RELAY,
+            stream=Stream.RELAY,
+        ),
+        Release(step=step, op=Op.END_STEP, buffer=buffer),
+    )
+
+
+def agree(step: int, comm: Communicator, column: int) -> AllReduce:
+    table = np.zeros((5, 2), dtype=np.int32)
+    table[0, column] = 3
+    return AllReduce(
+        step=step,
+        op=Op.AGREE,
+        contribution=table,
+        result=BufferRef(f"{comm.value}.{step}"),
+        comm=comm,
+        work=None,
+    )
+
+
+def write(
+    directory: Path,
+    world: Layout,
+    per_rank: Sequence[Sequence[Effect]],
+    *,
+    run_id: str | None = "run-1",
+    config: dict[str, object] | None = None,
+) -> Path:
+    config = CONFIG if config is None else config
+    logs = [
+        EffectLog.from_effects(
+            LogHeader(
+                rank=rank,
+                world=world,
+                config=config,
+                run_id=run_id,
+                config_digest=None if run_id is None else config_digest(config),
+            ),
+            effects,
+        )
+        for rank, effects in enumerate(per_rank)
+    ]
+    dump_logs(logs, directory)
+    return directory
+
+
+def matched_pair(steps: int = 3) -> list[list[Effect]]:
+    """Stage 1 sends every step's tokens, stage 0 receives them."""
+    return [
+        [e for step in range(steps) for e in relay(step, op=Op.RECEIVE)],
+        [e for step in range(steps) for e in relay(step, op=Op.BROADCAST)],
+    ]
+
+
+def finding(report: CheckReport) -> MismatchReport | DeadlockReport:
+    assert (report.ok, report.exit_code) == (False, EXIT_FINDING), report.text
+    assert isinstance(report.finding, MismatchReport | DeadlockReport), report.text
+    return report.finding
+
+
+# ---- a matched run ----------------------------------------------------------------------
+
+
+def test_matched_logs_are_ok_in_one_line(tmp_path: Path) -> None:
+    report = check_logs(write(tmp_path, PAIR, matched_pair(steps=3)))
+    assert (report.ok, report.exit_code, report.finding) == (True, EXIT_OK, None)
+    assert report.text == "ok: 2 ranks, 6 collectives over 3 steps, every communicator matches"
+    assert (report.ranks, report.records, report.collectives, report.steps) == (2, 18, 6, 3)
+
+
+def test_check_log_dir_prints_the_report_and_returns_its_exit_code(tmp_path: Path) -> None:
+    out = io.StringIO()
+    assert check_log_dir(write(tmp_path, PAIR, matched_pair()), out) == EXIT_OK
+    assert out.getvalue().startswith("ok: 2 ranks, ")
+
+
+def test_header_only_logs_are_nothing_recorded_not_ok(tmp_path: Path) -> None:
+    report = check_logs(write(tmp_path, PAIR, [[], []]))
+    assert (report.ok, report.exit_code) == (False, EXIT_FINDING)
+    assert report.text.startswith("nothing recorded: the 2 ranks' logs hold a header and no effect")
+
+
+# ---- logs that are not one run's ---------------------------------------------------------
+
+
+def test_logs_of_two_runs_are_rejected_naming_both_files(tmp_path: Path) -> None:
+    write(tmp_path, PAIR, matched_pair(), run_id="run-a")
+    other = write(tmp_path / "other", PAIR, matched_pair(), run_id="run-b")
+    (other / log_file_name(1)).replace(tmp_path / log_file_name(1))
+
+    report = check_logs(tmp_path)
+    assert (report.ok, report.exit_code) == (False, EXIT_UNUSABLE)
+    assert "rank-0000.jsonl and rank-0001.jsonl are of different runs" in report.text
+    assert "'run-a'" in report.text
+    assert "'run-b'" in report.text
+
+
+def test_logs_of_two_configs_are_rejected_naming_both_files(tmp_path: Path) -> None:
+    write(tmp_path, PAIR, matched_pair())
+    other = write(tmp_path / "other", PAIR, matched_pair(), config={"model": "toy", "seed": 4})
+    (other / log_file_name(1)).replace(tmp_path / log_file_name(1))
+
+    report = check_logs(tmp_path)
+    assert report.exit_code == EXIT_UNUSABLE
+    assert "rank-0000.jsonl and rank-0001.jsonl differ in config_digest" in report.text
+
+
+def test_logs_without_run_ids_are_still_compared_by_config(tmp_path: Path) -> None:
+    # Logs written before run ids (the golden logs) still load; a changed config shows.
+    write(tmp_path, PAIR, matched_pair(), run_id=None)
+    assert check_logs(tmp_path).ok
+    other = write(tmp_path / "other", PAIR, matched_pair(), run_id=None, config={"seed": 9})
+    (other / log_file_name(0)).replace(tmp_path / log_file_name(0))
+
+    report = check_logs(tmp_path)
+    assert report.exit_code == EXIT_UNUSABLE
+    assert "rank-0000.jsonl and rank-0001.jsonl have different configs" in report.text
+
+
+def test_a_config_edited_after_the_run_no_longer_matches_its_digest(tmp_path: Path) -> None:
+    write(tmp_path, PAIR, matched_pair())
+    path = tmp_path / log_file_name(1)
+    header, *records = path.read_text().splitlines(keepends=True)
+    edited = json.loads(header)
+    edited["config"]["seed"] = 4
+    path.write_text(json.dumps(edited) + "\n" + "".join(records))
+
+    report = check_logs(tmp_path)
+    assert report.exit_code == EXIT_UNUSABLE
+    assert f"{path} line 1: config_digest is" in report.text
+    assert "the config was changed after the run" in report.text
+    with pytest.raises(LogFormatError, match="the config was changed after the run"):
+        load_log(path)
+
+
+def test_a_digest_names_the_config_as_json() -> None:
+    assert config_digest({"a": 1, "b": [1, 2]}) == config_digest({"b": [1, 2], "a": 1})
+    assert config_digest({"a": 1}) != config_digest({"a": 1.0})
+    assert config_digest({"a": 1}).startswith("sha256:")
+
+
+def test_a_missing_rank_and_an_empty_folder_are_unusable(tmp_path: Path) -> None:
+    write(tmp_path, PAIR, matched_pair())
+    (tmp_path / log_file_name(1)).unlink()
+    report = check_logs(tmp_path)
+    assert report.exit_code == EXIT_UNUSABLE
+    assert "ranks [1] of a world of 2" in report.text
+    assert check_logs(tmp_path / "absent").exit_code == EXIT_UNUSABLE
+
+
+# ---- what a crash leaves -------------------------------------------------------------------
+
+
+def cut_last_line(path: Path, keep: int = 9) -> None:
+    """Cut the file mid-way through its last line, as a kill mid-write does."""
+    data = path.read_bytes()
+    last = data.rstrip(b"\n").rfind(b"\n") + 1
+    path.write_bytes(data[: last + keep])
+
+
+def test_a_log_cut_mid_record_is_read_up_to_the_cut(tmp_path: Path) -> None:
+    # The sender died while writing its last step's broadcast: the receiver waits for it.
+    write(tmp_path, PAIR, matched_pair(steps=3))
+    sender = tmp_path / log_file_name(1)
+    sender.write_bytes(sender.read_bytes()[: sender.read_bytes().rfind(b"\n{", 0, -1) + 1])
+    sender.write_bytes(sender.read_bytes()[:-1])  # cut mid-way through the release line
+    cut_last_line(tmp_path / log_file_name(1))
+
+    report = check_logs(tmp_path)
+    finding(report)
+    (cut,) = report.cut
+    assert (cut.rank, cut.line) == (1, 9)
+    assert (
+        "rank 1's log ends mid-record at rank-0001.jsonl line 9 (the rank died while writing)"
+        in (report.text)
+    )
+    assert report.records == 16  # everything before the cut was read
+
+
+def test_a_cut_sender_leaves_the_receiver_waiting_and_the_report_says_on_what(
+    tmp_path: Path,
+) -> None:
+    per_rank = matched_pair(steps=3)
+    per_rank[1] = per_rank[1][:-2]  # the sender's log stops before its last broadcast
+    write(tmp_path, PAIR, per_rank)
+    with (tmp_path / log_file_name(1)).open("a") as file:
+        file.write('{"seq": 7, "comm_seq": 2, "eff')  # ...and dies writing it
+
+    report = check_logs(tmp_path)
+    missing = finding(report)
+    assert isinstance(missing, MismatchReport)
+    assert (missing.classification, missing.culprit, missing.seq) == (
+        MismatchClass.MISSING_RANK,
+        1,
+        2,
+    )
+    lines = report.text.splitlines()
+    assert lines[0].startswith("Log cut: rank 1's log ends mid-record at rank-0001.jsonl line 9")
+    assert "  mismatch: missing rank; culprit: rank 1" in lines
+    assert "What every rank was waiting on:" in lines
+    assert any(line.startswith("  rank 0 [relay stream] waits at step 2") for line in lines)
+
+
+def test_a_cut_after_the_last_collective_is_still_a_finding(tmp_path: Path) -> None:
+    write(tmp_path, PAIR, matched_pair(steps=2))
+    cut_last_line(tmp_path / log_file_name(0))
+
+    report = check_logs(tmp_path)
+    assert (report.ok, report.exit_code, report.finding) == (False, EXIT_FINDING, None)
+    assert report.text.splitlines() == [
+        "Log cut: rank 0's log ends mid-record at rank-0000.jsonl line 7 (the rank died while"
+        " writing), after 5 records (step 1)",
+        "  every collective logged before the cut matched; each rank's log ends:",
+        "  rank 0: log ends at step 1 (5 records), nothing pending",
+        "  rank 1: log ends at step 1 (6 records), nothing pending",
+    ]
+
+
+def test_corruption_before_the_last_line_is_unusable(tmp_path: Path) -> None:
+    write(tmp_path, PAIR, matched_pair(steps=2))
+    path = tmp_path / log_file_name(0)
+    lines = path.read_text().splitlines(keepends=True)
+    lines[3] = lines[3][:20] + "\n"
+    path.write_text("".join(lines))
+
+    report = check_logs(tmp_path)
+    assert report.exit_code == EXIT_UNUSABLE
+    assert f"{path} line 4: corrupted JSON" in report.text
+
+
+def test_a_cut_header_is_unusable(tmp_path: Path) -> None:
+    write(tmp_path, PAIR, [[], []])
+    path = tmp_path / log_file_name(0)
+    path.write_bytes(path.read_bytes()[:30])
+    report = check_logs(tmp_path)
+    assert report.exit_code == EXIT_UNUSABLE
+    assert "line 1: the last line is truncated" in report.text
+
+
+# ---- mismatches, classified the way fr_trace does --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sent", "expected_class"),
+    [
+        ({"shape": (4, 1)}, MismatchClass.SIZE),
+        ({"dtype": DType.INT32}, MismatchClass.DTYPE),
+        ({"src": 0}, MismatchClass.SOURCE),
+    ],
+    ids=["size", "dtype", "source"],
+)
+def test_a_mismatch_is_classified_with_its_culprit(
+    tmp_path: Path, sent: dict[str, object], expected_class: MismatchClass
+) -> None:
+    world = Layout(pp=3, dp=1)
+    receive = [e for step in range(3) for e in relay(step, src=2)]
+    wrong = {"src": 2, "op": Op.BROADCAST, **sent}
+    bad = [
+        e
+        for step in range(3)
+        for e in (relay(step, **wrong) if step == 1 else relay(step, src=2))  # type: ignore[arg-type]
+    ]
+    report = check_logs(write(tmp_path, world, [receive, receive, bad]))
+
+    mismatch = finding(report)
+    assert isinstance(mismatch, MismatchReport)
+    assert (mismatch.classification, mismatch.seq, mismatch.step) == (expected_class, 1, 1)
+    # Two receivers agree with each other: the sender is the odd one out.
+    assert mismatch.culprit == 2
+    assert f"  mismatch: {expected_class.value}; culprit: rank 2" in report.text.splitlines()
+
+
+def test_a_collective_of_another_type_is_a_type_mismatch(tmp_path: Path) -> None:
+    ranks: list[list[Effect]] = [[agree(0, Communicator.DP_CPU, 0)], []]
+    ranks[1] = [
+        Broadcast(
+            step=0,
+            op=Op.AGREE,
+            buffer=BufferRef("table"),
+            shape=(5, 2),
+            dtype=DType.INT32,
+            src=1,
+            comm=Communicator.DP_CPU,
+            stream=Stream.MAIN,
+        )
+    ]
+    mismatch = finding(check_logs(write(tmp_path, REPLICAS, ranks)))
+    assert isinstance(mismatch, MismatchReport)
+    assert mismatch.classification is MismatchClass.TYPE
+
+
+def test_a_rank_that_skipped_a_collective_is_named_at_the_step_it_skipped(tmp_path: Path) -> None:
+    # FIELD_FAILURES row 10: an idle replica returns early at step 1.
+    ranks = [
+        [agree(step, Communicator.DP_CPU, rank) for step in range(4) if (rank, step) != (1, 1)]
+        for rank in range(2)
+    ]
+    mismatch = finding(check_logs(write(tmp_path, REPLICAS, ranks)))
+    assert isinstance(mismatch, MismatchReport)
+    assert (mismatch.classification, mismatch.seq, mismatch.culprit) == (MismatchClass.STEP, 1, 1)
+    assert mismatch.received is not None
+    assert (mismatch.expected.step, mismatch.received.step) == (2, 1)
+
+
+# ---- cross-communicator order: a wait-for cycle ------------------------------------------------
+
+
+def test_two_communicators_in_opposite_orders_are_a_wait_for_cycle(tmp_path: Path) -> None:
+    # FIELD_FAILURES row 14: rank 0 agrees on dp_cpu then dp_drafter_cpu, rank 1 the other
+    # way round. Each communicator's own sequence matches, so a per-communicator check
+    # passes; replayed through the matching scheduler both hosts block on each other.
+    target, drafter = Communicator.DP_CPU, Communicator.DP_DRAFTER_CPU
+    ranks: list[list[Effect]] = [
+        [agree(0, target, 0), agree(0, drafter, 0)],
+        [agree(0, drafter, 1), agree(0, target, 1)],
+    ]
+    assert match_collectives(dict(enumerate(ranks)), REPLICAS) is None
+
+    report = check_logs(write(tmp_path, REPLICAS, ranks))
+    deadlock = finding(report)
+    assert isinstance(deadlock, DeadlockReport)
+    assert deadlock.cycle is not None
+    assert [(e.rank, e.via and e.via.comm, e.peer) for e in deadlock.cycle.edges] == [
+        (0, target, 1),
+        (1, drafter, 0),
+    ]
+    assert (
+        "  wait-for cycle: rank 0 -> dp_cpu op #0 -> rank 1 -> dp_drafter_cpu op #0 -> rank 0"
+        in report.text.splitlines()
+    )
+
+
+def test_a_host_synchronize_waits_for_its_stream_and_names_what_it_waits_for(
+    tmp_path: Path,
+) -> None:
+    # Stage 0 synchronizes with its relay stream after a receive the sender never posts.
+    receive = [*relay(0)[:2], Synchronize(step=0, op=Op.RECEIVE, stream=Stream.RELAY)]
+    report = check_logs(write(tmp_path, PAIR, [receive, []]))
+    missing = finding(report)
+    assert isinstance(missing, MismatchReport)
+    assert (missing.classification, missing.culprit) == (MismatchClass.MISSING_RANK, 1)
+    waits = [line for line in report.text.splitlines() if "[host and main stream]" in line]
+    assert waits == [
+        "  rank 0 [host and main stream] waits at step 0 (receive) on synchronize(relay)"
+    ]
+
+
+def test_a_synchronize_after_matched_work_passes(tmp_path: Path) -> None:
+    receive = [*relay(0), Synchronize(step=0, op=Op.RECEIVE, stream=Stream.RELAY)]
+    report = check_logs(write(tmp_path, PAIR, [receive, list(relay(0, op=Op.BROADCAST))]))
+    assert report.ok, report.text
+
+
+# ---- bounded memory ---------------------------------------------------------------------------
+
+
+def test_a_rank_is_replayed_at_most_the_steps_in_flight_ahead(tmp_path: Path) -> None:
+    # Rank 1's log ends at step 0: with one step in flight rank 0 is held back at step 2,
+    # not read to its end, and the report names the peer it waits for.
+    ranks: list[list[Effect]] = [
+        [Release(step=step, op=Op.END_STEP, buffer=BufferRef("x")) for step in range(1000)],
+        [Release(step=0, op=Op.END_STEP, buffer=BufferRef("x"))],
+    ]
+    report = check_logs(write(tmp_path, PAIR, ranks), max_steps_in_flight=1)
+    deadlock = finding(report)
+    assert isinstance(deadlock, DeadlockReport)
+    assert report.records == 3  # rank 0's steps 0 and 1, rank 1's step 0
+    (waiter,) = deadlock.waiters
+    assert (waiter.rank, waiter.step, waiter.held_back_by) == (0, 2, (1,))
