@@ -344,6 +344,7 @@ class Contender:
     on_device: bool  # does device work (timed with syncs between rounds, sync-counted)
     next_step: int = 0
     times: list[float] = field(default_factory=list)  # seconds per step, one per round
+    env: TorchInterpreter | None = None  # purepp's interpreter, for its plan counters
 
     def advance(self, count: int) -> None:
         self.run(self.next_step, count)
@@ -393,7 +394,8 @@ def build_contenders(
         relay = PureppRelay(
             role=case.role, pp=pp, slots=slots, spec=spec, env=env, draft_table=table()
         )
-        contenders.append(Contender(mode, purepp_runner(case, inputs, relay), on_device=True))
+        runner = purepp_runner(case, inputs, relay)
+        contenders.append(Contender(mode, runner, on_device=True, env=env))
     pure = PureppRelay(role=case.role, pp=pp, slots=slots, spec=spec, env=None, draft_table=None)
     contenders.append(Contender("pure", purepp_runner(case, inputs, pure), on_device=False))
     noop = seed(noop_calls(), device, None)
@@ -435,6 +437,19 @@ def count_syncs(contender: Contender, steps: int) -> int:
             torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     return sum("synchroniz" in str(w.message) for w in caught)
+
+
+PLAN_COUNTERS = ("lowered", "planned", "eager", "replayed")
+
+
+def plan_counters(env: TorchInterpreter | None) -> dict[str, int]:
+    """The interpreter's plan-cache counters (empty without plans): shows a plan mode
+    really ran its plans, not eager fallbacks."""
+    planner = getattr(env, "planner", None)
+    if planner is None:
+        return {}
+    found = {name: getattr(planner, name, None) for name in PLAN_COUNTERS}
+    return {name: value for name, value in found.items() if isinstance(value, int)}
 
 
 def _micros(times: list[float]) -> dict[str, float]:
@@ -483,6 +498,9 @@ def run_case(
         "spec": case.spec,
         "contenders": figures,
         "ratios": ratios,
+        "plan_counters": {
+            c.name: counters for c in contenders if (counters := plan_counters(c.env))
+        },
     }
     if cuda and sync_steps:
         result["syncs"] = {c.name: count_syncs(c, sync_steps) for c in contenders if c.on_device}
@@ -525,6 +543,17 @@ def markdown(results: list[dict[str, Any]]) -> str:
             syncs = r.get("syncs", {})
             cells = [r["role"], str(r["n"]), str(r["spec"])]
             cells += [str(syncs.get(n, "-")) for n in ("seed", "eager", "plan", "captured")]
+            lines.append("| " + " | ".join(cells) + " |")
+    planned = [m for m in ("plan", "captured") if any(m in r["plan_counters"] for r in results)]
+    if planned:
+        lines += ["", "Plan counters over the whole case, " + "/".join(PLAN_COUNTERS) + ":", ""]
+        lines += ["| role | n | spec | " + " | ".join(planned) + " |"]
+        lines += ["|" + " --- |" * (3 + len(planned))]
+        for r in results:
+            cells = [r["role"], str(r["n"]), str(r["spec"])]
+            for mode in planned:
+                counters = r["plan_counters"].get(mode, {})
+                cells.append("/".join(str(counters.get(k, "-")) for k in PLAN_COUNTERS))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
