@@ -27,9 +27,12 @@ between rounds. On CUDA a sync count (steady state, `torch.cuda.set_sync_debug_m
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
 import platform
+import pstats
 import statistics
 import sys
 import time
@@ -72,7 +75,7 @@ from purepp.relay import broadcast_sampled as purepp_broadcast_sampled
 TORCH_VERSION = version("torch")
 
 Role = Literal["receiver", "sender"]
-Mode = Literal["eager", "plan", "captured"]
+Mode = Literal["eager", "checked", "plan", "captured"]
 
 FREE_EVERY = 7  # a slot is freed every 7 steps
 PLAIN_EVERY = 3  # every third step samples with a plain sampler: [n, 1] tokens
@@ -82,6 +85,7 @@ SYNC_STEPS = 200  # steady-state steps the sync count runs
 # How each interpreter mode is asked for; tried in order (older interpreters lack a keyword).
 _MODE_KWARGS: dict[Mode, Callable[[int], list[dict[str, Any]]]] = {
     "eager": lambda ring: [{}],
+    "checked": lambda ring: [{"checked": True}],  # eager, validating every effect
     "plan": lambda ring: [{"plans": True}],
     "captured": lambda ring: [
         {"plans": True, "capture": True, "capture_copies": ring + 1},
@@ -439,6 +443,18 @@ def count_syncs(contender: Contender, steps: int) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+def profiled(contender: Contender, steps: int, sync: Callable[[], None]) -> str:
+    """The top functions by own time over `steps` more steps of `contender` (cProfile)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    contender.advance(steps)
+    sync()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
+
+
 PLAN_COUNTERS = ("lowered", "planned", "eager", "replayed")
 
 
@@ -459,7 +475,14 @@ def _micros(times: list[float]) -> dict[str, float]:
     }
 
 
-RATIOS = (("eager", "seed"), ("plan", "seed"), ("captured", "seed"), ("pure", "seed_noop"))
+ORDER = ("seed", "eager", "checked", "plan", "captured", "pure", "seed_noop")
+RATIOS = (
+    ("eager", "seed"),
+    ("checked", "seed"),
+    ("plan", "seed"),
+    ("captured", "seed"),
+    ("pure", "seed_noop"),
+)
 
 
 def run_case(
@@ -473,6 +496,7 @@ def run_case(
     device: torch.device,
     groups: dict[Communicator, dist.ProcessGroup],
     modes: dict[Mode, str],
+    profile: Sequence[str] = (),
 ) -> dict[str, Any]:
     cuda = device.type == "cuda"
     slots = 2 * case.rows
@@ -502,6 +526,10 @@ def run_case(
             c.name: counters for c in contenders if (counters := plan_counters(c.env))
         },
     }
+    for contender in contenders:
+        if contender.name in profile:
+            print(f"profile of {contender.name}, {case.label}, {steps} steps:")
+            print(profiled(contender, steps, sync))
     if cuda and sync_steps:
         result["syncs"] = {c.name: count_syncs(c, sync_steps) for c in contenders if c.on_device}
         result["sync_steps"] = sync_steps
@@ -522,27 +550,25 @@ def _ratio(ratios: dict[str, dict[str, float]], key: str) -> str:
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
-    names = ("seed", "eager", "plan", "captured", "pure", "seed_noop")
-    head = (
-        "| role | n | spec | "
-        + " | ".join(f"{n} us" for n in names)
-        + " | "
-        + " | ".join(f"{a}/{b}" for a, b in RATIOS)
-        + " |"
-    )
-    lines = [head, "|" + " --- |" * (3 + len(names) + len(RATIOS))]
+    ran = {name for r in results for name in r["contenders"]}
+    names = [name for name in ORDER if name in ran]
+    ratios = [f"{a}/{b}" for a, b in RATIOS if a in ran and b in ran]
+    head = "| role | n | spec | " + " | ".join([*(f"{n} us" for n in names), *ratios]) + " |"
+    lines = [head, "|" + " --- |" * (3 + len(names) + len(ratios))]
     for r in results:
         cells = [r["role"], str(r["n"]), str(r["spec"])]
         cells += [_cell(r["contenders"], n) for n in names]
-        cells += [_ratio(r["ratios"], f"{a}/{b}") for a, b in RATIOS]
+        cells += [_ratio(r["ratios"], key) for key in ratios]
         lines.append("| " + " | ".join(cells) + " |")
     if any("syncs" in r for r in results):
+        counted = [n for n in names if any(n in r.get("syncs", {}) for r in results)]
         lines += ["", f"Host syncs per {results[0].get('sync_steps')} steady-state steps:", ""]
-        lines += ["| role | n | spec | seed | eager | plan | captured |", "|" + " --- |" * 7]
+        lines += ["| role | n | spec | " + " | ".join(counted) + " |"]
+        lines += ["|" + " --- |" * (3 + len(counted))]
         for r in results:
             syncs = r.get("syncs", {})
             cells = [r["role"], str(r["n"]), str(r["spec"])]
-            cells += [str(syncs.get(n, "-")) for n in ("seed", "eager", "plan", "captured")]
+            cells += [str(syncs.get(n, "-")) for n in counted]
             lines.append("| " + " | ".join(cells) + " |")
     planned = [m for m in ("plan", "captured") if any(m in r["plan_counters"] for r in results)]
     if planned:
@@ -584,7 +610,15 @@ def main() -> None:
         "--modes",
         nargs="*",
         default=["eager", "plan", "captured"],
-        choices=["eager", "plan", "captured"],
+        choices=["eager", "checked", "plan", "captured"],
+        help="purepp interpreter modes to run (checked: eager validating every effect)",
+    )
+    parser.add_argument(
+        "--profile",
+        nargs="+",
+        default=[],
+        metavar="CONTENDER",
+        help="after each case's rounds, cProfile these contenders (seed, eager, plan, ...)",
     )
     parser.add_argument("--quick", action="store_true", help="500 steps x 3 rounds (CUDA: ~2 min)")
     parser.add_argument("--json", metavar="OUT", help="write every figure to this JSON file")
@@ -619,6 +653,7 @@ def main() -> None:
                 device=device,
                 groups=groups,
                 modes=available,
+                profile=args.profile,
             )
             results.append(result)
             print(f"  {case.label}: {time.perf_counter() - started:.1f} s", flush=True)
