@@ -50,6 +50,7 @@ from purepp.effects.vocabulary import (
     ScatterRows,
     StackRows,
     Stream,
+    Synchronize,
     WaitEvent,
     WaitStream,
     WaitWork,
@@ -526,6 +527,126 @@ def test_two_communicators_taken_in_opposite_orders_deadlock() -> None:
     )
     assert report.finished == ()
     assert "Deadlock" in report.render()
+    # FIELD_FAILURES row 14: the report shows who waits for whom, round the loop.
+    assert report.cycle is not None
+    assert [(e.rank, e.via and e.via.comm, e.seq, e.peer) for e in report.cycle.edges] == [
+        (0, Communicator.PP_CPU, 0, 1),
+        (1, Communicator.PP_RELAY, 0, 0),
+    ]
+    assert (
+        "  wait-for cycle: rank 0 -> pp_cpu op #0 -> rank 1 -> pp_relay op #0 -> rank 0"
+        in report.render().splitlines()
+    )
+    assert "one issue order" in report.fix()
+
+
+def dp_agreement(step: int, comm: Communicator, rank: int) -> AllReduce:
+    return AllReduce(
+        step=step,
+        op=Op.AGREE,
+        contribution=np.full((5, 2), rank, dtype=np.int32),
+        result=BufferRef(f"{comm.value}.table.{step}"),
+        comm=comm,
+        work=None,
+    )
+
+
+def test_the_drafter_lane_taken_before_the_target_lane_on_one_replica_is_a_cycle() -> None:
+    # DP_DRAFTER_CPU is a second group over the DP ranks: its ops match among the same
+    # ranks as DP_CPU's, so the two lanes in opposite orders wait on each other.
+    target, drafter = Communicator.DP_CPU, Communicator.DP_DRAFTER_CPU
+    steps: dict[int, list[tuple[Effect, ...]]] = {
+        0: [(dp_agreement(0, target, 0), dp_agreement(0, drafter, 0))],
+        1: [(dp_agreement(0, drafter, 1), dp_agreement(0, target, 1))],
+    }
+    with pytest.raises(CollectiveMismatchError) as error:
+        simulate(Layout(pp=1, dp=2), scripted(steps))
+
+    report = report_of(error)
+    assert isinstance(report, DeadlockReport)
+    assert report.cycle is not None
+    assert [(e.rank, e.via and e.via.comm, e.peer) for e in report.cycle.edges] == [
+        (0, target, 1),
+        (1, drafter, 0),
+    ]
+
+
+def test_both_lanes_in_one_order_sum_each_table_over_the_replicas() -> None:
+    target, drafter = Communicator.DP_CPU, Communicator.DP_DRAFTER_CPU
+    steps: dict[int, list[tuple[Effect, ...]]] = {
+        rank: [(dp_agreement(0, target, rank), dp_agreement(0, drafter, rank + 1))]
+        for rank in range(2)
+    }
+    result = simulate(Layout(pp=1, dp=2), scripted(steps))
+    for rank in range(2):
+        interpreter = result.interpreter(rank)
+        assert (interpreter.host_array(BufferRef("dp_cpu.table.0")) == 1).all()
+        assert (interpreter.host_array(BufferRef("dp_drafter_cpu.table.0")) == 3).all()
+
+
+def relay_receive_then_synchronize(step: int) -> tuple[Effect, ...]:
+    buffer = BufferRef(f"r.{step}")
+    return (
+        Allocate(
+            step=step,
+            op=Op.RECEIVE,
+            buffer=buffer,
+            shape=(4,),
+            dtype=DType.INT32,
+            stream=Stream.RELAY,
+        ),
+        int32_broadcast(Op.RECEIVE, buffer, shape=(4,), src=1, step=step),
+        Synchronize(step=step, op=Op.RECEIVE, stream=Stream.RELAY),
+    )
+
+
+def test_synchronize_blocks_the_host_until_the_stream_has_run_its_work() -> None:
+    # The host may read the received buffer right after the synchronize: no event needed.
+    seen: list[npt.NDArray[np.int32]] = []
+
+    def program(ctx: RankContext) -> Iterator[tuple[Effect, ...]]:
+        if ctx.rank == 0:
+            yield relay_receive_then_synchronize(0)
+            seen.append(ctx.interpreter.host_array(BufferRef("r.0")))
+        else:
+            yield main_stream_broadcast(0, 1)
+
+    simulate(Layout(pp=2, dp=1), program)
+    assert [row.tolist() for row in seen] == [[0, 0, 0, 0]]
+
+
+def test_a_synchronize_on_a_stream_whose_broadcast_is_never_matched_is_a_deadlock() -> None:
+    steps: dict[int, list[tuple[Effect, ...]]] = {0: [relay_receive_then_synchronize(0)], 1: []}
+    with pytest.raises(CollectiveMismatchError) as error:
+        simulate(Layout(pp=2, dp=1), scripted(steps))
+
+    report = report_of(error)
+    assert isinstance(report, DeadlockReport)
+    host = next(w for w in report.waiters if w.stream is Stream.MAIN)
+    assert (host.rank, host.step, host.op) == (0, 0, Op.RECEIVE)
+    assert "synchronize" in host.waiting_at
+    assert host.awaited is not None
+    assert (host.awaited.instance.comm, host.awaited.missing) == (Communicator.PP_RELAY, (1,))
+    assert "not posted by rank(s) 1" in report.render()
+
+
+def test_a_synchronize_past_the_ring_is_a_ring_overrun() -> None:
+    # Waiting at step 2 on a step-0 receive the sender has not posted: the host ran ahead.
+    steps: dict[int, list[tuple[Effect, ...]]] = {
+        0: [
+            relay_receive_then_synchronize(0)[:2],
+            (Synchronize(step=2, op=Op.CONSUME, stream=Stream.RELAY),),
+        ],
+        1: [
+            (Release(step=0, op=Op.END_STEP, buffer=BufferRef("none")),),
+            main_stream_broadcast(5, 1),
+        ],
+    }
+    with pytest.raises(CollectiveMismatchError) as error:
+        simulate(Layout(pp=2, dp=1), scripted(steps), max_steps_in_flight=3)
+    report = report_of(error)
+    assert isinstance(report, RingOverrunReport)
+    assert (report.rank, report.step, report.event) == (0, 2, None)
 
 
 def test_a_collective_no_peer_posts_leaves_its_rank_waiting() -> None:
