@@ -1,160 +1,183 @@
-"""`purepp run` as a user runs it: exit codes, one-line errors, dead ranks, Ctrl-C."""
+"""`purepp run` and `purepp check` as a user runs them: options refused before any
+process starts, one-line errors on stderr, documented exit codes.
+
+The refusals run in this process through `main(argv)`: they must not start a rank
+nor import torch, so they stay fast. Whole runs live in tests/test_run_*.py.
+"""
 
 from __future__ import annotations
 
-import json
+import fcntl
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from purepp.runner.worker import KILL_RANK_ENV
+from purepp.runner.cli import main
+from purepp.runner.exit_codes import Exit, interrupted
+from purepp.runner.supervise import LOCK_FILE
 
-PUREPP = [sys.executable, "-m", "purepp.runner.cli"]
+GOLDEN = Path(__file__).parent / "data" / "golden" / "pp2_spec2"
 
 
-def _purepp(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*PUREPP, *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-        env=None if env is None else {**os.environ, **env},
-    )
+def _refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run `purepp ARGV`, expect a usage refusal, and return its one stderr line."""
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    assert code == Exit.USAGE, (out, err)
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Fix:" in lines[0]
+    prefix = lines[0].split(": ", 1)[0]
+    assert not lines[0].startswith(f"{prefix}: {prefix}"), lines[0]  # no doubled prefix
+    return lines[0]
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("args", "shown", "problem"),
     [
-        (["--pp", "0"], "--pp 0"),
-        (["--dp", "0"], "--dp 0"),
-        (["--spec", "50"], "--spec 50"),
-        (["--backend", "mpi"], "--backend mpi"),
+        (["--pp", "0"], "--pp 0", "is below 1"),
+        (["--pp", "-1"], "--pp -1", "is below 1"),
+        (["--pp", "9"], "--pp 9", "is above 8"),
+        (["--pp", "two"], "--pp two", "is not a whole number"),
+        (["--dp", "0"], "--dp 0", "is below 1"),
+        (["--dp", "1.5"], "--dp 1.5", "is not a whole number"),
+        (["--spec", "8"], "--spec 8", "is above 7"),
+        (["--spec", "-1"], "--spec -1", "is below 0"),
+        (["--seed", "-3"], "--seed -3", "is below 0"),
+        (["--seed", "0.5"], "--seed 0.5", "is not a whole number"),
+        (["--steps", "-1"], "--steps -1", "is below 0"),
+        (["--requests", "0"], "--requests 0", "is below 1"),
+        (["--backend", "mpi"], "--backend mpi", "is not a backend"),
+        (["--timeout", "inf"], "--timeout inf", "is not finite"),
+        (["--timeout", "nan"], "--timeout nan", "is not finite"),
+        (["--timeout", "0"], "--timeout 0", "is not above 0"),
+        (["--timeout", "-5"], "--timeout -5", "is not above 0"),
+        (["--timeout", "1e300"], "--timeout 1e300", "is above 86400"),
+        (["--timeout", "soon"], "--timeout soon", "is not a number"),
+        (["--log-dir", ""], "--log-dir ''", "is empty"),
+        (["--trace", ""], "--trace ''", "is empty"),
+        (["--trace", "   "], "--trace '   '", "is empty"),
     ],
 )
-def test_invalid_options_give_one_line_and_start_nothing(args: list[str], message: str) -> None:
-    started = time.monotonic()
-    result = _purepp("run", *args)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1
-    assert message in lines[0]
-    assert "Fix:" in lines[0]
-    assert time.monotonic() - started < 30  # no worker was spawned and waited for
+def test_bad_options_are_one_line_naming_option_value_problem_and_fix(
+    capsys: pytest.CaptureFixture[str], args: list[str], shown: str, problem: str
+) -> None:
+    line = _refused(capsys, "run", *args)
+    assert line.startswith(f"purepp run: {shown} {problem}"), line
+
+
+def test_trace_that_is_a_folder_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    line = _refused(capsys, "run", "--trace", str(tmp_path))
+    assert "is a folder, but a trace is one file" in line
+    line = _refused(capsys, "run", "--trace", f"{tmp_path / 'new'}{os.sep}")
+    assert "is a folder" in line
+
+
+def test_log_dir_that_is_a_file_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    line = _refused(capsys, "run", "--log-dir", str(blocker))
+    assert f"--log-dir {blocker} cannot be written: {blocker} is a file" in line
+    line = _refused(capsys, "run", "--log-dir", str(blocker / "logs"))
+    assert f"{blocker} is a file, not a folder" in line
+    line = _refused(capsys, "run", "--trace", str(blocker / "trace.json"))
+    assert f"--trace {blocker / 'trace.json'} cannot be written" in line
+    assert blocker.read_text() == "not a folder"
+
+
+def test_unwritable_places_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # /proc refuses new entries even to root, so this holds whoever runs the tests.
+    line = _refused(capsys, "run", "--log-dir", "/proc/purepp-logs")
+    assert "--log-dir /proc/purepp-logs is not writable" in line
+    line = _refused(capsys, "run", "--trace", "/proc/purepp-trace.json")
+    assert "--trace /proc/purepp-trace.json is not writable" in line
+
+
+def test_a_log_dir_in_use_by_another_run_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank-0000.jsonl").write_text("the other run's log\n")
+    with (logs / LOCK_FILE).open("w") as held:
+        held.write("4242 otherrun\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)  # as a running `purepp run` holds it
+        line = _refused(capsys, "run", "--log-dir", str(logs))
+    assert f"--log-dir {logs} is in use by another purepp run (pid 4242)" in line
+    assert (logs / "rank-0000.jsonl").read_text() == "the other run's log\n"  # untouched
+
+
+def test_argparse_mistakes_are_one_line_too(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "unrecognized arguments: --bogus" in _refused(capsys, "run", "--bogus")
+    assert "--pp: expected one argument" in _refused(capsys, "run", "--pp")
+    assert "purepp:" in _refused(capsys)  # no command
+
+
+def test_check_refuses_a_missing_folder_on_stderr(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    line = _refused(capsys, "check", str(tmp_path / "missing"))
+    assert line.startswith("purepp check: ") and "does not exist" in line
+    (tmp_path / "file").write_text("")
+    assert "is not a folder" in _refused(capsys, "check", str(tmp_path / "file"))
+    assert "is empty" in _refused(capsys, "check", "")
+
+
+def test_check_unreadable_logs_go_to_stderr(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "rank-0000.jsonl").write_text("this is not a log\n")
+    code = main(["check", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == Exit.USAGE
+    assert out == ""
+    assert err.startswith("purepp check: ")
+
+
+def test_check_reads_a_golden_log(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["check", str(GOLDEN)])
+    out, err = capsys.readouterr()
+    assert code == Exit.OK, out + err
+    assert out.startswith("ok")
+    assert err == ""
+
+
+def test_exit_codes_are_distinct() -> None:
+    codes = [*map(int, Exit), *(interrupted(s) for s in (2, 1, 15))]
+    assert codes == [0, 1, 2, 3, 130, 129, 143]
+
+
+def test_the_cli_imports_no_torch_for_help_check_or_a_refusal() -> None:
+    probe = (
+        "import sys\n"
+        "from purepp.runner.cli import main\n"
+        f"assert main(['check', {str(GOLDEN)!r}]) == 0\n"
+        "assert main(['run', '--seed', '-3']) == 2\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.skipif(
     sys.modules.get("torch") is not None and __import__("torch").cuda.is_available(),
     reason="this machine has CUDA",
 )
-def test_nccl_without_cuda_is_refused_before_start() -> None:
-    result = _purepp("run", "--backend", "nccl")
-    assert result.returncode == 1
-    assert "needs CUDA" in result.stderr
-
-
-def test_unwritable_log_dir_is_refused_before_start(tmp_path: Path) -> None:
-    blocker = tmp_path / "file"
-    blocker.write_text("not a folder")
-    result = _purepp("run", "--log-dir", str(blocker / "logs"))
-    assert result.returncode == 1
-    assert "--log-dir" in result.stderr
-    assert "not writable" in result.stderr
-
-
-@pytest.mark.multiprocess
-def test_run_prints_summary_with_parity_verdict(tmp_path: Path) -> None:
-    trace = tmp_path / "trace.json"
-    result = _purepp("run", "--requests", "6", "--seed", "5", "--trace", str(trace))
-    assert result.returncode == 0, result.stderr
-    for field in ("steps", "requests", "tokens", "tokens/s", "drafts accepted", "parity"):
-        assert field in result.stdout
-    assert "parity           OK" in result.stdout
-    events = json.loads(trace.read_text())["traceEvents"]
-    slices = [e for e in events if e["ph"] == "X"]
-    assert {e["pid"] for e in slices} == {0, 1, 2, 3}  # one process track per rank
-    assert {e["name"] for e in slices} >= {"Broadcast", "AllReduce", "WaitEvent"}
-    collectives = [e for e in slices if e["name"] == "Broadcast"]
-    assert all(
-        {"comm", "comm_seq", "shape", "dtype", "src"} <= e["args"].keys() for e in collectives
-    )
-
-
-@pytest.mark.multiprocess
-def test_run_logs_replace_older_ones_and_pass_the_checker(tmp_path: Path) -> None:
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    (logs / "rank-0007.jsonl").write_text("left over from a larger run\n")
-    result = _purepp("run", "--pp", "2", "--dp", "1", "--requests", "5", "--log-dir", str(logs))
-    assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in logs.iterdir()) == ["rank-0000.jsonl", "rank-0001.jsonl"]
-    checked = _purepp("check", str(logs))
-    assert checked.returncode == 0, checked.stdout
-    assert checked.stdout.startswith("ok: 2 ranks")
-
-
-@pytest.mark.multiprocess
-def test_torchrun_runs_the_same_job(tmp_path: Path) -> None:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    worker = ["-m", "purepp.runner.worker", "--pp", "2", "--dp", "1", "--requests", "6"]
-    result = subprocess.run(
-        [*torchrun, "--nproc-per-node", "2", *worker, "--out", str(tmp_path), "--verdict"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "parity           OK" in result.stdout
-    assert (tmp_path / "results.json").exists()
-
-
-@pytest.mark.multiprocess
-def test_dead_rank_stops_the_run_naming_it() -> None:
-    started = time.monotonic()
-    result = _purepp("run", "--timeout", "10", env={KILL_RANK_ENV: "3@5"})
-    assert result.returncode == 1
-    assert "rank 3 was killed by SIGKILL" in result.stderr
-    assert time.monotonic() - started < 120
-
-
-def _workers_of(parent: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        ppid = next(line.split()[1] for line in status.splitlines() if line.startswith("PPid"))
-        if int(ppid) == parent and b"purepp.runner.worker" in cmdline:
-            found.append(int(entry.name))
-    return found
-
-
-@pytest.mark.multiprocess
-def test_ctrl_c_stops_every_process() -> None:
-    process = subprocess.Popen(
-        [*PUREPP, "run", "--steps", "100000"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 60
-    while len(_workers_of(process.pid)) < 4 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(3)  # let the ranks get into the loop
-    workers = _workers_of(process.pid)
-    assert len(workers) >= 4  # the 4 ranks (the reference may have finished)
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 130
-    assert "interrupted" in stderr
-    assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
+def test_nccl_without_cuda_is_refused_before_start(capsys: pytest.CaptureFixture[str]) -> None:
+    line = _refused(capsys, "run", "--backend", "nccl")
+    assert "--backend nccl needs CUDA" in line

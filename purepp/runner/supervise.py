@@ -160,6 +160,7 @@ _SOURCE_PATH = re.compile(
     r"\s*\[[^\]\s]*\.(?:cc|cpp|cu|h|hpp|c|py):\d+\]|\S+\.(?:cc|cpp|cu|h|hpp|py):\d+:?"
 )
 _RANK_PREFIX = re.compile(r"^purepp: rank \d+: ")
+_TORCH_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")  # torch's prefix on a rank's stderr
 
 
 def without_source_paths(line: str) -> str:
@@ -169,7 +170,8 @@ def without_source_paths(line: str) -> str:
 
 def _one_line(text: str) -> str:
     """The message a rank left, without library source paths."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [_TORCH_RANK_PREFIX.sub("", line.strip()) for line in text.splitlines()]
+    lines = [line for line in lines if line]
     ours = [line for line in lines if _RANK_PREFIX.match(line)]
     line = (ours or lines or ["(no message)"])[-1]
     return without_source_paths(_RANK_PREFIX.sub("", line))
@@ -296,13 +298,13 @@ class _World:
         if rank is None or rank.beat is None or quiet_for < silent_s:
             return None
         why = (
-            "its process is stopped by a signal (SIGSTOP?)"
+            "its process is stopped by a signal such as SIGSTOP"
             if _is_stopped(rank.process.pid)
-            else "it is stuck outside Python or starved of CPU"
+            else "it is stuck outside Python, or starved of CPU"
         )
         return (
-            f"{self.label(rank.rank)} froze at step {rank.beat.done}/{rank.beat.total}: "
-            f"no heartbeat for {quiet_for:.1f} s ({why}); its peers wait for it"
+            f"{self.label(rank.rank)} froze after step {rank.beat.done} of {rank.beat.total}: "
+            f"no heartbeat for {quiet_for:.1f} s, {why}; its peers wait for it"
         )
 
     def _behind(self) -> str | None:
@@ -393,16 +395,21 @@ def _stopped_on_exit() -> Iterator[list[_Rank]]:
 
 
 def _show_progress(world: _World, last_shown: list[int]) -> None:
+    """A bar on a terminal; elsewhere (a CI log) a line per tenth of the run."""
     reached, total = world.progress()
-    if not total or reached == last_shown[0]:
+    if not total:
         return
-    last_shown[0] = reached
     bar = "#" * (30 * min(reached, total) // total)
-    line = f"\r  step {reached:>5}/{total} [{bar:<30}]"
+    line = f"  step {reached:>5}/{total} [{bar:<30}]"
     if sys.stderr.isatty():
-        print(line, end="", file=sys.stderr, flush=True)
-    elif reached == total or reached % max(total // 10, 1) < 4:
+        if reached != last_shown[0]:
+            print(f"\r{line}", end="", file=sys.stderr, flush=True)
+        last_shown[0] = reached
+        return
+    tenth = 10 * min(reached, total) // total
+    if tenth != last_shown[0]:
         print(line.strip(), file=sys.stderr, flush=True)
+        last_shown[0] = tenth
 
 
 def _wait(worlds: Sequence[_World], timeout_s: float, show: _World) -> None:
@@ -457,7 +464,7 @@ def worker_argv(settings: RunSettings, log_dir: str | None, trace: str | None) -
 def _reference_world(settings: RunSettings, work: Path, started: list[_Rank]) -> _World:
     """The single-stage run of the same workload (same --steps), without aborts, on CPU."""
     reference = attrs.evolve(settings, pp=1, dp=1, backend="gloo")
-    argv = [*worker_argv(reference, None, None), "--no-aborts"]
+    argv = [*worker_argv(reference, None, None), "--reference"]
     return _World("reference", 1, argv, work, started)
 
 

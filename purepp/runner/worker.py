@@ -57,14 +57,15 @@ __all__ = [
 ]
 
 
-def _fault_step(variable: str, rank: int) -> int | None:
+def _fault_step(variable: str, who: str) -> int | None:
+    """The step after which fault `variable` ("WHO@STEP") strikes `who`, if it names it."""
     value = os.environ.get(variable, "")
-    return int(value.split("@")[1]) if value.startswith(f"{rank}@") else None
+    return int(value.split("@")[1]) if value.startswith(f"{who}@") else None
 
 
-def _on_step(rank: int, heartbeat: Heartbeat | None) -> Callable[[int], None]:
-    kill_step = _fault_step(KILL_RANK_ENV, rank)
-    stop_step = _fault_step(STOP_RANK_ENV, rank)
+def _on_step(who: str, heartbeat: Heartbeat | None) -> Callable[[int], None]:
+    kill_step = _fault_step(KILL_RANK_ENV, who)
+    stop_step = _fault_step(STOP_RANK_ENV, who)
 
     def step_done(step: int) -> None:
         if heartbeat is not None:
@@ -174,6 +175,17 @@ def _write_outputs(
     return tuple(results)
 
 
+_PEER_SIGNS = ("timed out", "connection closed", "connection reset", "broken pipe", "peer")
+
+
+def _is_peer_failure(error: Exception) -> bool:
+    """torch.distributed's way of saying a peer died or went silent (activations, gather)."""
+    if isinstance(error, ConnectionError | dist.DistError):
+        return True
+    text = str(error).lower()
+    return any(sign in text for sign in _PEER_SIGNS)
+
+
 def _print_verdict(settings: RunSettings, results: tuple[RankResult, ...] | None) -> int:
     if results is None:
         raise RuntimeError("only rank 0 gathers the results")  # caller checks rank 0
@@ -192,7 +204,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="rank 0 then runs the single-stage reference and prints the parity summary",
     )
-    parser.add_argument("--no-aborts", action="store_true", help="run every request to the end")
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="this is the single-stage reference: no request is aborted",
+    )
     parser.add_argument("--run-id", default=None, help="the run's id, for the log headers")
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -216,8 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             out_dir=args.out,
             log_dir=args.log_dir,
             trace_path=args.trace,
-            on_step=_on_step(rank, heartbeat),
-            abort_requests=not args.no_aborts,
+            on_step=_on_step("reference" if args.reference else str(rank), heartbeat),
+            abort_requests=not args.reference,
             run_id=args.run_id,
         )
         if args.verdict and rank == 0:
@@ -229,7 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"purepp: rank {rank}: {error}", file=sys.stderr)
         return RankExit.PUREPP_ERROR
     except (RuntimeError, ConnectionError) as error:
-        # torch.distributed reports a dead or silent peer this way (activations, gather).
+        if not _is_peer_failure(error):
+            raise  # a bug, not a peer: the traceback is the report
         text = str(error).strip()
         first_line = without_source_paths(text.splitlines()[0]) if text else repr(error)
         print(f"purepp: rank {rank}: a peer failed or timed out: {first_line}", file=sys.stderr)
