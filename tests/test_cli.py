@@ -126,7 +126,8 @@ def test_check_refuses_a_missing_folder_on_stderr(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     line = _refused(capsys, "check", str(tmp_path / "missing"))
-    assert line.startswith("purepp check: ") and "does not exist" in line
+    assert line.startswith("purepp check: ")
+    assert "does not exist" in line
     (tmp_path / "file").write_text("")
     assert "is not a folder" in _refused(capsys, "check", str(tmp_path / "file"))
     assert "is empty" in _refused(capsys, "check", "")
