@@ -15,8 +15,10 @@ from purepp.effects.matching import (
     MismatchClass,
     MismatchField,
     MismatchReport,
+    WaitEdge,
     check_posts,
     comm_group,
+    find_wait_cycle,
     match_collectives,
     signature_of,
 )
@@ -382,3 +384,56 @@ def test_identical_schedules_match_and_any_dropped_op_is_found_where_it_was_drop
     assert rank in report.group
     assert report.seq == seq  # at most one op per communicator per step: the next one differs
     assert rank in (report.rank, report.peer, *report.missing)
+
+
+# ---- classification (fr_trace's categories) and wait-for cycles ----------------------------
+
+
+def test_a_count_mismatch_blames_the_member_that_never_posted() -> None:
+    per_rank: dict[int, list[Effect]] = {
+        0: [agreement(0, dp=2, column=0), agreement(1, dp=2, column=0)],
+        1: [agreement(0, dp=2, column=1)],
+    }
+    report = match_collectives(per_rank, Layout(pp=1, dp=2))
+    assert report is not None
+    assert (report.classification, report.culprit, report.missing) == (
+        MismatchClass.MISSING_RANK,
+        1,
+        (1,),
+    )
+    assert report.render().endswith("  mismatch: missing rank; culprit: rank 1")
+
+
+def test_drafter_lane_ops_match_among_the_dp_ranks() -> None:
+    world = Layout(pp=2, dp=2)
+    assert comm_group(world, 3, Communicator.DP_DRAFTER_CPU) == (1, 3)
+    assert comm_group(world, 3, Communicator.DP_DRAFTER_CPU) == comm_group(
+        world, 3, Communicator.DP_CPU
+    )
+
+
+def edge(rank: int, peer: int, comm: Communicator | None = Communicator.DP_CPU) -> WaitEdge:
+    via = None if comm is None else CommInstance(comm=comm, group=(0, 1, 2))
+    return WaitEdge(rank=rank, via=via, seq=None if comm is None else 0, peer=peer)
+
+
+def test_a_wait_for_cycle_is_found_round_the_loop() -> None:
+    edges = [edge(0, 1), edge(1, 2, Communicator.PP_RELAY), edge(2, 0, None)]
+    cycle = find_wait_cycle(edges)
+    assert cycle is not None
+    assert cycle.edges == tuple(edges)
+    assert cycle.render() == (
+        "rank 0 -> dp_cpu op #0 -> rank 1 -> pp_relay op #0 -> rank 2 -> (steps in flight)"
+        " -> rank 0"
+    )
+
+
+def test_a_chain_that_ends_at_a_rank_waiting_for_nobody_is_no_cycle() -> None:
+    assert find_wait_cycle([edge(0, 1), edge(1, 2), edge(2, 2)]) is None
+    assert find_wait_cycle([]) is None
+
+
+def test_the_cycle_found_is_the_loop_not_the_path_into_it() -> None:
+    cycle = find_wait_cycle([edge(0, 1), edge(1, 2), edge(2, 1)])
+    assert cycle is not None
+    assert cycle.ranks == (1, 2)
