@@ -22,8 +22,10 @@ from purepp.effects.log import (
     EffectLog,
     LogHeader,
     LogRecord,
+    LogStream,
     Recorder,
     assert_logs_equal,
+    config_digest,
     diff_logs,
     dump_log,
     dump_logs,
@@ -755,3 +757,50 @@ def test_assert_logs_equal_raises_the_diff() -> None:
 
 def test_schema_constant_is_the_documented_version() -> None:
     assert SCHEMA == "purepp.effects/1"
+
+
+# -- run ids and config digests ---------------------------------------------------
+
+
+def test_a_header_without_run_id_writes_the_format_before_run_ids() -> None:
+    line = json.loads(header_json(HEADER))
+    assert "run_id" not in line
+    assert "config_digest" not in line
+
+
+def test_a_run_header_carries_its_run_id_and_config_digest(tmp_path: Path) -> None:
+    header = LogHeader.for_run(rank=1, world=Layout(pp=2, dp=2), config=HEADER.config, run_id="r7")
+    assert header.config_digest == config_digest(HEADER.config)
+    line = json.loads(header_json(header))
+    assert (line["run_id"], line["config_digest"]) == ("r7", header.config_digest)
+    log = EffectLog.from_effects(header, SAMPLE.effects)
+    dump_log(log, tmp_path / "rank.jsonl")
+    assert load_log(tmp_path / "rank.jsonl") == log
+
+
+@pytest.mark.parametrize("value", ["", 3, True])
+def test_a_run_id_is_a_non_empty_string(value: object) -> None:
+    with pytest.raises(ConfigError, match="run_id"):
+        LogHeader(rank=0, world=Layout(pp=1, dp=1), run_id=value)  # type: ignore[arg-type]
+
+
+def test_load_logs_rejects_logs_of_two_runs_naming_both_files(tmp_path: Path) -> None:
+    world = Layout(pp=2, dp=1)
+    for rank, run_id in enumerate(("a", "b")):
+        header = LogHeader.for_run(rank=rank, world=world, config={"x": 1}, run_id=run_id)
+        dump_log(EffectLog.from_effects(header, ()), tmp_path / log_file_name(rank))
+    with pytest.raises(
+        LogFormatError, match=r"rank-0000\.jsonl and rank-0001\.jsonl are of different runs"
+    ):
+        load_logs(tmp_path)
+
+
+def test_a_stream_reads_up_to_a_cut_last_line_only_when_asked(tmp_path: Path) -> None:
+    path = tmp_path / "rank.jsonl"
+    dump_log(SAMPLE, path)
+    path.write_bytes(path.read_bytes()[:-5])
+    stream = LogStream(path, allow_cut_end=True)
+    assert tuple(stream) == SAMPLE.records[:-1]
+    assert stream.cut_line == len(SAMPLE.records) + 1
+    with pytest.raises(LogFormatError, match="the last line is truncated"):
+        tuple(LogStream(path))
