@@ -874,8 +874,9 @@ def _check_table(
     """Each row's smallest and largest live value, and the live columns, checked once.
 
     The decision depends on the table only through these, so the table is read once:
-    its shape and dtype, this rank's column, and that the live values are ones some
-    rank could contribute. A dead rank's column is never read, so never checked.
+    its shape and dtype, this rank's column, and that the live values the decision
+    reads are ones some rank could contribute (a query-length bound beside a -1 is
+    never read). A dead rank's column is never read, so never checked.
     """
     group = pending.group
     expected = (group.layout.rows, group.dp_size)

@@ -1,4 +1,4 @@
-"""The DP agreement, case by case: one test per behaviour of the seed's DP sync."""
+"""The DP agreement, case by case: one test per behaviour of the seed's DP sync, plus lanes."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy.typing as npt
 import pytest
 
 from purepp.cudagraph import (
+    BatchExecutionDescriptor,
     CaptureMode,
     CudaGraphDispatcher,
     CUDAGraphMode,
@@ -17,14 +18,18 @@ from purepp.cudagraph import (
 from purepp.dp import (
     ROW_CG_MODE,
     TABLE_ROWS,
+    AgreementGroup,
+    AgreementLanes,
+    AgreementStarted,
     DispatchOutcome,
     DPSyncState,
+    Lane,
+    LaneBusyError,
     PendingAgreement,
     RankBatch,
     agree_across_ranks,
     finish_agreement,
     start_agreement,
-    table_contribution,
     wait_for_agreement,
 )
 from purepp.effects.vocabulary import (
@@ -40,6 +45,7 @@ from purepp.errors import (
     CollectiveMismatchError,
     ConfigError,
     InvalidInputError,
+    PureppError,
     StaleSyncError,
 )
 from tests.strategies import desc
@@ -47,6 +53,7 @@ from tests.strategies import desc
 FULL = CUDAGraphMode.FULL
 PIECEWISE = CUDAGraphMode.PIECEWISE
 NONE = CUDAGraphMode.NONE
+FREE = AgreementLanes()
 
 # Uniform decode of 2 tokens per request (one draft) in FULL graphs, PIECEWISE otherwise.
 SPEC = CudaGraphDispatcher(
@@ -86,24 +93,43 @@ def start(
     uniform: int | None = 2,
     dp_size: int = 2,
     dp_rank: int = 0,
-    **kwargs: Any,
-) -> Any:
-    return start_agreement(
-        dispatcher,
-        step=kwargs.pop("step", 7),
-        num_reqs=num_reqs,
-        num_tokens=num_tokens,
-        uniform_token_count=uniform,
-        dp_size=dp_size,
-        dp_rank=dp_rank,
-        **kwargs,
+    step: int = 7,
+    lanes: AgreementLanes = FREE,
+    lane: Lane = Lane.TARGET,
+    asynchronous: bool = False,
+    comm: Communicator = Communicator.DP_CPU,
+    **batch_fields: Any,
+) -> AgreementStarted:
+    group = AgreementGroup(dp_size=dp_size, dp_rank=dp_rank, comm=comm)
+    facts = RankBatch(
+        num_reqs=num_reqs, num_tokens=num_tokens, uniform_token_count=uniform, **batch_fields
     )
+    return start_agreement(
+        lanes, group, dispatcher, facts, step=step, lane=lane, asynchronous=asynchronous
+    )
+
+
+def at_once(started: AgreementStarted) -> DispatchOutcome:
+    """The outcome of a start that decided at once (it issued nothing)."""
+    assert started.effects == ()
+    assert started.result.table is None
+    return finish_agreement(started.state, started.result, None).result
 
 
 def pending_of(**kwargs: Any) -> PendingAgreement:
     started = start(**kwargs)
-    assert isinstance(started.state, PendingAgreement)
-    return started.state
+    assert started.result.decided is None
+    return started.result
+
+
+def finish(pending: PendingAgreement, table: Any) -> Any:
+    """Finish with the lanes that have exactly `pending` in flight."""
+    lanes = (
+        AgreementLanes(target=pending.step)
+        if pending.lane is Lane.TARGET
+        else AgreementLanes(drafter=pending.step)
+    )
+    return finish_agreement(lanes, pending, table)
 
 
 def batch(reqs: int, tokens: int, uniform: int | None = None, **kwargs: Any) -> RankBatch:
@@ -115,14 +141,20 @@ def batch(reqs: int, tokens: int, uniform: int | None = None, **kwargs: Any) -> 
 
 def test_a_single_rank_decides_at_once_with_no_effect_and_no_sync() -> None:
     started = start(dp_size=1)
-    assert started.state is None
-    assert started.effects == ()
-    assert started.result == DispatchOutcome(descriptor=desc(FULL, 4, 2, uniform=2), sync=None)
+    assert at_once(started) == DispatchOutcome(descriptor=desc(FULL, 4, 2, uniform=2), sync=None)
+
+
+def test_a_start_that_decides_at_once_still_occupies_its_lane_until_finished() -> None:
+    started = start(dp_size=1)
+    assert started.state == AgreementLanes(target=7)
+    finished = finish_agreement(started.state, started.result, None)
+    assert finished.state == FREE
+    assert finished.effects == ()
 
 
 def test_need_eager_runs_eager_with_this_ranks_own_counts() -> None:
     started = start(None, dp_size=1, num_reqs=3, num_tokens=5, uniform=None, need_eager=True)
-    assert started.result == DispatchOutcome(descriptor=desc(NONE, 5, 3), sync=None)
+    assert at_once(started) == DispatchOutcome(descriptor=desc(NONE, 5, 3), sync=None)
 
 
 def test_no_dispatcher_without_need_eager_is_a_config_error() -> None:
@@ -133,30 +165,28 @@ def test_no_dispatcher_without_need_eager_is_a_config_error() -> None:
 def test_reusing_an_eager_sync_runs_eager_with_no_collective() -> None:
     agreed = sync([4, 3], eager=True, reqs=2)
     started = start(dp_sync=agreed, num_active_loras=1)
-    assert started.effects == ()
-    assert started.result == DispatchOutcome(descriptor=desc(NONE, 4, 2, loras=1), sync=agreed)
+    assert at_once(started) == DispatchOutcome(descriptor=desc(NONE, 4, 2, loras=1), sync=agreed)
 
 
 def test_reusing_a_graph_sync_keeps_it_when_this_dispatcher_pads_alike() -> None:
     agreed = sync([4, 4], uniform=2, reqs=2)
-    started = start(dp_sync=agreed)
-    assert started.effects == ()
-    assert started.result == DispatchOutcome(descriptor=desc(FULL, 4, 2, uniform=2), sync=agreed)
+    outcome = at_once(start(dp_sync=agreed))
+    assert outcome == DispatchOutcome(descriptor=desc(FULL, 4, 2, uniform=2), sync=agreed)
 
 
 def test_reusing_a_graph_sync_with_a_dispatcher_that_pads_further_reports_the_padded_count() -> (
     None
 ):
     coarse = attrs.evolve(SPEC, capture_sizes=(8, 16))
-    started = start(coarse, dp_sync=sync([4, 4], uniform=2, reqs=2))
-    assert started.result.descriptor == desc(FULL, 8, 4, uniform=2)
-    assert started.result.sync == sync([8, 8], uniform=2, reqs=2)
+    outcome = at_once(start(coarse, dp_sync=sync([4, 4], uniform=2, reqs=2)))
+    assert outcome.descriptor == desc(FULL, 8, 4, uniform=2)
+    assert outcome.sync == sync([8, 8], uniform=2, reqs=2)
 
 
 def test_a_reused_sync_supplies_the_agreed_uniform_count() -> None:
     # The ranks disagreed (None): this rank's own uniform batch must not take a decode graph.
-    started = start(dp_sync=sync([4, 4], uniform=None, reqs=2))
-    assert started.result.descriptor == desc(PIECEWISE, 4, None)
+    outcome = at_once(start(dp_sync=sync([4, 4], uniform=None, reqs=2)))
+    assert outcome.descriptor == desc(PIECEWISE, 4, None)
 
 
 def test_a_reused_sync_supplies_the_agreed_query_length_bound() -> None:
@@ -164,26 +194,26 @@ def test_a_reused_sync_supplies_the_agreed_query_length_bound() -> None:
     # otherwise pick different varlen graphs (field failure 11).
     first = agree_across_ranks(VARLEN, [batch(3, 4, max_query_len=2), batch(2, 3, max_query_len=1)])
     reused = [
-        start_agreement(
-            VARLEN,
-            step=1,
-            num_reqs=reqs,
-            num_tokens=4,
-            uniform_token_count=None,
-            dp_size=2,
-            dp_rank=rank,
-            max_query_len=local_bound,
-            dp_sync=first[rank].sync,
-        ).result
+        at_once(
+            start(
+                VARLEN,
+                num_reqs=reqs,
+                num_tokens=4,
+                uniform=None,
+                dp_rank=rank,
+                max_query_len=local_bound,
+                dp_sync=first[rank].sync,
+                lane=Lane.DRAFTER,
+            )
+        )
         for rank, (reqs, local_bound) in enumerate([(3, 2), (2, None)])
     ]
-    assert all(outcome is not None for outcome in reused)
-    assert {o.descriptor for o in reused if o is not None} == {desc(FULL, 4, 4, query_len=2)}
+    assert {o.descriptor for o in reused} == {desc(FULL, 4, 4, query_len=2)}
 
 
 def test_a_single_rank_never_returns_a_sync_even_when_one_is_reused() -> None:
-    started = start(dp_size=1, dp_rank=0, dp_sync=sync([4], uniform=2))
-    assert started.result == DispatchOutcome(descriptor=desc(FULL, 4, 2, uniform=2), sync=None)
+    outcome = at_once(start(dp_size=1, dp_rank=0, dp_sync=sync([4], uniform=2)))
+    assert outcome == DispatchOutcome(descriptor=desc(FULL, 4, 2, uniform=2), sync=None)
 
 
 # field failure 12: a sync taken over one batch, reused for another.
@@ -200,13 +230,13 @@ def test_field_failure_12_reusing_a_sync_from_another_batch_is_a_stale_sync_erro
     reused: DPSyncState, uniform: int | None
 ) -> None:
     with pytest.raises(StaleSyncError, match=r"^start_agreement: dp_sync .* Fix: reuse a sync"):
-        start(dp_sync=reused, uniform=uniform)
+        start(dp_sync=reused, uniform=uniform, num_tokens=4)
     assert reused.num_tokens_across_dp.flags.writeable is False
 
 
 def test_a_sync_with_no_uniform_count_may_be_reused_by_a_uniform_batch() -> None:
-    started = start(dp_sync=sync([4, 4], reqs=2), uniform=2)
-    assert started.result.sync == sync([4, 4], reqs=2)
+    outcome = at_once(start(dp_sync=sync([4, 4], reqs=2), uniform=2))
+    assert outcome.sync == sync([4, 4], reqs=2)
 
 
 def test_a_sync_from_a_group_of_another_size_is_invalid_input() -> None:
@@ -218,69 +248,129 @@ def test_a_sync_from_a_group_of_another_size_is_invalid_input() -> None:
 
 
 def test_the_contribution_is_this_ranks_column_with_none_encoded() -> None:
-    table = table_contribution(
-        dp_size=3,
-        dp_rank=1,
-        cg_mode=PIECEWISE,
-        num_tokens=9,
-        num_reqs=3,
-        uniform_token_count=None,
-        max_query_len=None,
+    pending = pending_of(
+        dispatcher=SPEC, dp_size=3, dp_rank=1, num_reqs=3, num_tokens=9, uniform=None
     )
     expected = np.zeros((TABLE_ROWS, 3), dtype=np.int32)
-    expected[:, 1] = [9, 1, 0, -1, 3]
-    assert table.dtype == np.int32
-    assert np.array_equal(table, expected)
-    assert table.flags.writeable is False
+    expected[:, 1] = [9, int(PIECEWISE), 0, -1, 3]
+    assert pending.contribution is not None
+    assert pending.contribution.dtype == np.int32
+    assert np.array_equal(pending.contribution, expected)
+    assert pending.contribution.flags.writeable is False
+    assert pending.own == (9, int(PIECEWISE), 0, -1, 3)
 
 
 def test_several_ranks_issue_one_synchronous_all_reduce_over_the_dp_cpu_group() -> None:
     started = start(dp_size=3, dp_rank=2, max_query_len=2)
-    pending = started.state
-    assert isinstance(pending, PendingAgreement)
-    assert started.result is None
+    pending = started.result
+    assert pending.contribution is not None
     (effect,) = started.effects
     assert effect == AllReduce(
         step=7,
         op=Op.AGREE,
         contribution=pending.contribution,
-        result=BufferRef("dp.step7.table"),
+        result=BufferRef("dp.target.step7.table"),
         comm=Communicator.DP_CPU,
         work=None,
     )
     assert pending.contribution[:, 2].tolist() == [4, int(FULL), 2, 2, 2]
     assert not pending.contribution[:, :2].any()
     assert wait_for_agreement(pending).effects == ()
-    assert wait_for_agreement(pending).result == BufferRef("dp.step7.table")
+    assert wait_for_agreement(pending).result == BufferRef("dp.target.step7.table")
 
 
 def test_an_asynchronous_all_reduce_is_completed_by_a_wait_work() -> None:
-    pending = pending_of(asynchronous=True, step=3, label="dp.draft")
-    assert pending.work == WorkRef("dp.draft.step3.work")
+    pending = pending_of(asynchronous=True, step=3, lane=Lane.DRAFTER)
+    assert pending.work == WorkRef("dp.drafter.step3.work")
     waited = wait_for_agreement(pending)
-    assert waited.effects == (WaitWork(step=3, op=Op.AGREE, work=WorkRef("dp.draft.step3.work")),)
-    assert waited.result == BufferRef("dp.draft.step3.table")
+    assert waited.effects == (WaitWork(step=3, op=Op.AGREE, work=WorkRef("dp.drafter.step3.work")),)
+    assert waited.result == BufferRef("dp.drafter.step3.table")
     assert waited.state == pending
+
+
+def test_a_decided_start_waits_for_nothing_and_names_no_table() -> None:
+    waited = wait_for_agreement(start(dp_size=1).result)
+    assert (waited.effects, waited.result) == ((), None)
 
 
 def test_the_agreement_can_run_over_the_pipeline_group() -> None:
     # field failure 7: stages that pick graphs from rank-local facts never meet.
-    started = start(comm=Communicator.PP_CPU)
-    assert started.effects[0].comm is Communicator.PP_CPU
+    (effect,) = start(comm=Communicator.PP_CPU).effects
+    assert isinstance(effect, AllReduce)
+    assert effect.comm is Communicator.PP_CPU
 
 
 def test_need_eager_still_joins_the_collective_and_contributes_eager() -> None:
     pending = pending_of(dispatcher=None, need_eager=True)
+    assert pending.contribution is not None
     assert pending.contribution[ROW_CG_MODE, 0] == int(NONE)
 
 
 def test_field_failure_10_an_idle_rank_joins_the_collective_with_neutral_values() -> None:
-    busy = start(num_reqs=2, num_tokens=4, dp_rank=0)
-    idle = start(num_reqs=0, num_tokens=0, uniform=None, dp_rank=1)
-    (busy_effect,) = busy.effects
-    (idle_effect,) = idle.effects
+    (busy_effect,) = start(num_reqs=2, num_tokens=4, dp_rank=0).effects
+    (idle_effect,) = start(num_reqs=0, num_tokens=0, uniform=None, dp_rank=1).effects
+    assert isinstance(busy_effect, AllReduce)
+    assert isinstance(idle_effect, AllReduce)
     assert attrs.evolve(idle_effect, contribution=busy_effect.contribution) == busy_effect
     assert idle_effect.contribution[:, 1].tolist() == [0, int(NONE), 0, -1, 0]
+
+
+# --- lanes ------------------------------------------------------------------------------
+
+
+def test_target_and_drafter_agreements_are_in_flight_at_once_on_their_own_groups() -> None:
+    target = start(step=4, asynchronous=True)
+    drafter = start(step=4, lanes=target.state, lane=Lane.DRAFTER, asynchronous=True)
+    assert drafter.state == AgreementLanes(target=4, drafter=4)
+    (target_effect,) = target.effects
+    (drafter_effect,) = drafter.effects
+    assert isinstance(target_effect, AllReduce)
+    assert isinstance(drafter_effect, AllReduce)
+    assert (target_effect.comm, drafter_effect.comm) == (
+        Communicator.DP_CPU,
+        Communicator.DP_DRAFTER_CPU,
+    )
+    # Named from the lane and the step: no label to pick, no name shared.
+    assert target_effect.result != drafter_effect.result
+    assert target_effect.work != drafter_effect.work
+
+
+def test_a_second_start_on_a_busy_lane_is_a_lane_busy_error() -> None:
+    first = start(step=4)
+    with pytest.raises(LaneBusyError, match=r"^start_agreement: the target lane still has"):
+        start(step=5, lanes=first.state)
+    assert first.state == AgreementLanes(target=4)  # unchanged: it is a value
+
+
+def test_finishing_frees_only_its_own_lane() -> None:
+    target = start(step=4)
+    drafter = start(step=4, lanes=target.state, lane=Lane.DRAFTER, dp_size=1)
+    other = start(step=4, dp_rank=1)
+    table = target.result.contribution
+    assert table is not None
+    assert other.result.contribution is not None
+    finished = finish_agreement(drafter.state, target.result, table + other.result.contribution)
+    assert finished.state == AgreementLanes(drafter=4)
+    restarted = start(step=5, lanes=finished.state)
+    assert restarted.state == AgreementLanes(target=5, drafter=4)
+
+
+def test_an_agreement_is_finished_once() -> None:
+    started = start(dp_size=1)
+    finished = finish_agreement(started.state, started.result, None)
+    with pytest.raises(InvalidInputError, match=r"^finish_agreement: the target lane has step"):
+        finish_agreement(finished.state, started.result, None)
+
+
+def test_a_table_for_an_agreement_decided_at_once_is_refused() -> None:
+    started = start(dp_size=1)
+    with pytest.raises(InvalidInputError, match="decided at once"):
+        finish_agreement(started.state, started.result, np.zeros((5, 1), dtype=np.int32))
+
+
+def test_a_group_with_one_communicator_for_both_lanes_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="both lanes use DP_CPU"):
+        AgreementGroup(dp_size=2, dp_rank=0, drafter_comm=Communicator.DP_CPU)
 
 
 # --- phase 2: the decision ---------------------------------------------------------
@@ -349,7 +439,7 @@ def test_an_agreed_count_above_the_largest_graph_runs_eager_at_that_count() -> N
     pending = pending_of(dispatcher=FULL_ONLY, num_reqs=2, num_tokens=4, uniform=None)
     reduced = np.array(pending.contribution)
     reduced[:, 1] = [20, int(FULL), 0, -1, 5]
-    outcome = finish_agreement(pending, reduced).result
+    outcome = finish(pending, reduced).result
     assert outcome == DispatchOutcome(descriptor=desc(NONE, 20, 2), sync=sync([20, 20], reqs=5))
 
 
@@ -373,13 +463,55 @@ def test_field_failure_11_ranks_with_different_batches_agree_on_every_shaping_va
 def test_finish_matches_a_table_reduced_by_hand() -> None:
     first = pending_of(dp_rank=0, num_reqs=1, num_tokens=2)
     second = pending_of(dp_rank=1, num_reqs=3, num_tokens=6)
-    reduced = first.contribution + second.contribution
-    decided = finish_agreement(second, reduced)
-    assert decided.state is None
+    assert first.contribution is not None
+    assert second.contribution is not None
+    assert second.table is not None
+    decided = finish(second, first.contribution + second.contribution)
+    assert decided.state == FREE
     assert decided.effects == (Release(step=second.step, op=Op.AGREE, buffer=second.table),)
     assert decided.result == DispatchOutcome(
         descriptor=desc(FULL, 8, 4, uniform=2), sync=sync([8, 8], uniform=2, reqs=4)
     )
+
+
+class ListDispatcher:
+    """A CUDA-graph manager of its own: no subclass of anything purepp defines."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int | None, int, int | None]] = []
+
+    def dispatch(
+        self,
+        num_reqs: int,
+        num_tokens: int,
+        uniform_token_count: int | None,
+        *,
+        num_active_loras: int = 0,
+        max_query_len: int | None = None,
+    ) -> BatchExecutionDescriptor:
+        self.calls.append(
+            (num_reqs, num_tokens, uniform_token_count, num_active_loras, max_query_len)
+        )
+        padded = 1 << (num_tokens - 1).bit_length() if num_tokens else 0
+        return desc(PIECEWISE, padded, None) if padded else desc(NONE, 0, num_reqs)
+
+
+def test_any_dispatcher_with_the_same_dispatch_plugs_in() -> None:
+    mine = ListDispatcher()
+    outcomes = agree_across_ranks(mine, [batch(1, 3), batch(2, 5)])
+    assert [o.descriptor for o in outcomes] == [desc(PIECEWISE, 8, None)] * 2
+    assert (1, 5, None, 0, None) in mine.calls  # rank 0 dispatched the agreed count
+
+
+def test_a_dispatcher_that_answers_no_descriptor_is_invalid_input() -> None:
+    class Broken:
+        def dispatch(self, *args: object, **kwargs: object) -> object:
+            return "FULL"
+
+    broken: Any = Broken()  # what an untyped caller can pass
+    group = AgreementGroup(dp_size=2, dp_rank=0)
+    with pytest.raises(InvalidInputError, match=r"Broken.dispatch returned 'FULL'"):
+        start_agreement(FREE, group, broken, batch(1, 1), step=0)
 
 
 # --- validation --------------------------------------------------------------------
@@ -391,16 +523,25 @@ def test_finish_matches_a_table_reduced_by_hand() -> None:
         ({"dp_size": 0}, ConfigError, "dp_size=0"),
         ({"dp_rank": 2}, ConfigError, "dp_rank=2 is outside 0..1"),
         ({"dp_rank": -1}, ConfigError, "dp_rank=-1"),
+        ({"dp_size": 2.0}, ConfigError, "dp_size=2.0 is a float"),
+        ({"dp_rank": True}, ConfigError, "dp_rank=True is a bool"),
         ({"num_reqs": -1}, InvalidInputError, "num_reqs=-1"),
         ({"num_tokens": -4}, InvalidInputError, "num_tokens=-4"),
+        ({"num_tokens": 3.7}, InvalidInputError, "num_tokens=3.7 is a float"),
+        ({"num_reqs": 2.5}, InvalidInputError, "num_reqs=2.5 is a float"),
+        ({"num_tokens": "4"}, InvalidInputError, "num_tokens='4' is a str"),
         ({"num_active_loras": -1}, InvalidInputError, "num_active_loras=-1"),
-        ({"num_tokens": 2**31}, InvalidInputError, "the table holds int32"),
+        ({"num_tokens": 2**31}, InvalidInputError, "fit int32"),
         ({"uniform": 0}, InvalidInputError, "uniform_token_count=0"),
         ({"max_query_len": 0}, InvalidInputError, "max_query_len=0"),
+        ({"max_query_len": float("nan")}, InvalidInputError, "max_query_len=nan"),
+        ({"need_eager": 1}, InvalidInputError, "need_eager=1 is a int"),
         ({"num_reqs": 5, "uniform": None}, InvalidInputError, "num_reqs=5 exceeds num_tokens=4"),
         ({"num_reqs": 3}, InvalidInputError, "uniform_token_count=2 x num_reqs=3"),
         ({"step": -1}, InvalidInputError, "step=-1"),
-        ({"label": ""}, InvalidInputError, "label=''"),
+        ({"step": 1.0}, InvalidInputError, "step=1.0 is a float"),
+        ({"lane": "target"}, InvalidInputError, "lane='target' is not a Lane"),
+        ({"asynchronous": "yes"}, InvalidInputError, "asynchronous='yes'"),
         ({"num_reqs": 9, "num_tokens": 9, "uniform": None}, InvalidInputError, "max_num_reqs"),
     ],
 )
@@ -410,6 +551,13 @@ def test_bad_input_raises_a_typed_error_naming_the_call(
     with pytest.raises(error, match=r"Fix: ") as raised:
         start(**kwargs)
     assert fragment in str(raised.value)
+
+
+def test_numpy_integers_are_ints_and_come_back_as_python_ints() -> None:
+    facts = RankBatch(num_reqs=np.int64(2), num_tokens=np.int32(4))  # type: ignore[arg-type]
+    assert type(facts.num_reqs) is int
+    assert type(facts.num_tokens) is int
+    assert facts == RankBatch(num_reqs=2, num_tokens=4)
 
 
 def table_like(pending: PendingAgreement, **changes: Any) -> npt.NDArray[Any]:
@@ -422,35 +570,53 @@ def table_like(pending: PendingAgreement, **changes: Any) -> npt.NDArray[Any]:
 @pytest.mark.parametrize(
     ("make_table", "fragment"),
     [
-        (lambda p: np.zeros((TABLE_ROWS, 3), dtype=np.int32), "expected int32[5, 2]"),
-        (lambda p: np.zeros((4, 2), dtype=np.int32), "expected int32[5, 2]"),
+        (lambda p: np.zeros((TABLE_ROWS, 3), dtype=np.int32), "expected an int32[5, 2]"),
+        (lambda p: np.zeros((4, 2), dtype=np.int32), "expected an int32[5, 2]"),
         (lambda p: table_like(p, dtype=np.int64), "int64"),
-        (lambda p: table_like(p).tolist(), "reduced_table is a list"),
+        (lambda p: table_like(p).tolist(), "reduced_table is list"),
         (lambda p: table_like(p, cells={(0, 0): 5}), "column 0 is"),
         (lambda p: table_like(p, cells={(ROW_CG_MODE, 1): 3}), "values no rank contributes"),
         (lambda p: table_like(p, cells={(0, 1): -1}), "values no rank contributes"),
-        (lambda p: table_like(p, cells={(3, 1): 0}), "values no rank contributes"),
+        (lambda p: table_like(p, cells={(0, 1): 2, (3, 1): 0}), "values no rank contributes"),
+        (lambda p: None, "reduced_table is NoneType"),
     ],
 )
 def test_a_table_that_is_not_this_agreements_reduction_is_invalid_input(
     make_table: Any, fragment: str
 ) -> None:
-    pending = pending_of()
+    pending = pending_of(max_query_len=2)
     with pytest.raises(InvalidInputError, match=r"^finish_agreement: ") as raised:
-        finish_agreement(pending, make_table(pending))
+        finish(pending, make_table(pending))
     assert fragment in str(raised.value)
 
 
 def test_finish_leaves_the_callers_table_unchanged_and_holds_read_only_copies() -> None:
     first, second = pending_of(dp_rank=0), pending_of(dp_rank=1, num_reqs=1, num_tokens=2)
+    assert first.contribution is not None
+    assert second.contribution is not None
     reduced = np.array(first.contribution + second.contribution)
     before = reduced.copy()
-    outcome = finish_agreement(first, reduced).result
+    outcome = finish(first, reduced).result
     assert np.array_equal(reduced, before)
     assert outcome.sync is not None
-    assert outcome.sync.num_tokens_across_dp.flags.writeable is False
+    counts = outcome.sync.num_tokens_across_dp
+    assert counts.flags.writeable is False
+    with pytest.raises(ValueError, match=r"(?i)writeable"):
+        counts.flags.writeable = True  # not thawable: a view of bytes
     reduced[0, :] = 99
-    assert outcome.sync.num_tokens_across_dp.tolist() == [4, 4]
+    assert counts.tolist() == [4, 4]
+
+
+def test_an_eager_sync_copies_the_token_row_and_cannot_be_thawed() -> None:
+    pendings = [pending_of(dp_rank=0), pending_of(dp_rank=1, need_eager=True, uniform=None)]
+    reduced = np.array(sum(p.contribution for p in pendings if p.contribution is not None))
+    outcome = finish(pendings[0], reduced).result
+    assert outcome.sync is not None
+    counts = outcome.sync.num_tokens_across_dp
+    with pytest.raises(ValueError, match=r"(?i)writeable"):
+        counts.flags.writeable = True
+    reduced[0, :] = 99
+    assert counts.tolist() == [4, 4]
 
 
 def test_some_ranks_reusing_a_sync_while_others_agree_is_a_collective_mismatch() -> None:
@@ -469,6 +635,20 @@ def test_sync_state_rejects_values_no_agreement_produces() -> None:
         sync([-1, 4])
     with pytest.raises(InvalidInputError, match="uniform_token_count=0"):
         sync([4, 4], uniform=0)
+    with pytest.raises(InvalidInputError, match=r"^DPSyncState: num_tokens_across_dp"):
+        DPSyncState(
+            num_tokens_across_dp=np.array([1.5, 2.0]),
+            uniform_token_count=None,
+            eager=True,
+            num_reqs=1,
+        )
+    with pytest.raises(PureppError, match="eager=1"):
+        DPSyncState(
+            num_tokens_across_dp=np.array([1, 2]),
+            uniform_token_count=None,
+            eager=1,  # type: ignore[arg-type]
+            num_reqs=1,
+        )
 
 
 def test_the_public_names_exist() -> None:

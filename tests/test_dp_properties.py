@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 
 from purepp.cudagraph import BatchExecutionDescriptor, CudaGraphDispatcher, CUDAGraphMode
 from purepp.dp import (
-    AgreementDecided,
+    AgreementGroup,
+    AgreementLanes,
     AgreementStarted,
     DispatchOutcome,
     DPSyncState,
-    PendingAgreement,
     RankBatch,
     agree_across_ranks,
     finish_agreement,
@@ -39,21 +39,10 @@ def start_rank(
     *,
     step: int = 5,
     asynchronous: bool = False,
-) -> AgreementStarted | AgreementDecided:
-    b = batches[rank]
+) -> AgreementStarted:
+    group = AgreementGroup(dp_size=len(batches), dp_rank=rank)
     return start_agreement(
-        dispatcher,
-        step=step,
-        num_reqs=b.num_reqs,
-        num_tokens=b.num_tokens,
-        uniform_token_count=b.uniform_token_count,
-        dp_size=len(batches),
-        dp_rank=rank,
-        max_query_len=b.max_query_len,
-        need_eager=b.need_eager,
-        num_active_loras=b.num_active_loras,
-        dp_sync=b.dp_sync,
-        asynchronous=asynchronous,
+        AgreementLanes(), group, dispatcher, batches[rank], step=step, asynchronous=asynchronous
     )
 
 
@@ -265,6 +254,7 @@ def test_reusing_the_agreement_on_every_rank_reproduces_it_with_no_collective(wo
     ]
     for rank in range(len(batches)):
         assert start_rank(dispatcher, reusing, rank).effects == ()
+        assert start_rank(dispatcher, reusing, rank).result.decided is not None
     reused = agree_across_ranks(dispatcher, reusing)
     assert [o.sync for o in reused] == [o.sync for o in outcomes]
     # An eager reuse reports the caller's LoRA count, the agreement the dispatched case.
@@ -298,25 +288,20 @@ def test_bad_input_raises_a_typed_error_and_changes_nothing(
     rank = data.draw(st.integers(0, len(batches) - 1))
     field = data.draw(st.sampled_from(["num_reqs", "num_tokens", "num_active_loras"]))
     value = -data.draw(st.integers(1, 5))
-    if field == "num_reqs":
-        bad = attrs.evolve(batches[rank], num_reqs=value)
-    elif field == "num_tokens":
-        bad = attrs.evolve(batches[rank], num_tokens=value)
-    else:
-        bad = attrs.evolve(batches[rank], num_active_loras=value)
-    broken = [*batches[:rank], bad, *batches[rank + 1 :]]
-    with pytest.raises(PureppError, match=rf"^start_agreement: {field}=-"):
-        start_rank(dispatcher, broken, rank)
+    with pytest.raises(PureppError, match=rf"^RankBatch: {field}=-"):
+        attrs.evolve(batches[rank], **{field: value})  # type: ignore[arg-type]
     # A corrupted table is refused and neither it nor the pending agreement changes.
-    started = [start_rank(dispatcher, batches, r).state for r in range(len(batches))]
-    pendings = [p for p in started if isinstance(p, PendingAgreement)]
-    assert len(pendings) == len(batches)
+    started = [start_rank(dispatcher, batches, r) for r in range(len(batches))]
+    pendings = [s.result for s in started]
+    assert all(p.decided is None for p in pendings)
     pending = pendings[rank]
-    reduced = np.sum([p.contribution for p in pendings], axis=0).astype(np.int32)
+    reduced = np.zeros_like(pendings[rank].contribution)
+    for p in pendings:
+        reduced += p.contribution
     reduced[1, rank] += 7
     before, kept = reduced.copy(), attrs.evolve(pending)
     with pytest.raises(PureppError, match=r"^finish_agreement: "):
-        finish_agreement(pending, reduced)
+        finish_agreement(started[rank].state, pending, reduced)
     assert np.array_equal(reduced, before)
     assert pending == kept
 
