@@ -4,12 +4,15 @@ Contenders, run in interleaved rounds on the same schedule:
 - `seed`: `benchmarks.seed_relay.SeedRelay` making the seed's calls one for one on real
   tensors (CUDA streams and NCCL with `--device cuda`; CPU tensors and gloo otherwise);
 - `eager`: purepp's pure steps plus `TorchInterpreter` performing their effects;
+- `checked` (only with `--modes checked`): eager with every effect validated;
 - `plan`: the same with the interpreter's step plans (`plans=True`), when it has them;
 - `captured`: the same with plans captured into CUDA graphs (`capture=True`, CUDA only);
 - `pure`: purepp's pure steps alone, with no interpreter;
 - `seed_noop`: the seed's logic with every torch/dist call a no-op (host logic alone).
 
-Ratios: eager, plan and captured against `seed`; `pure` against `seed_noop`.
+Ratios: eager, checked, plan and captured against `seed`; `pure` against `seed_noop`.
+Every purepp call goes through one adapter, `PureppRelay`; interpreter modes the installed
+interpreter lacks are reported unavailable and skipped.
 
 Cases: both roles (receiver = a non-last stage: consume, free, receive; sender = the last
 stage: free, broadcast sampled, broadcast drafts), n in {8, 64, 256}, spec in {0, 3}, a
@@ -34,6 +37,7 @@ import os
 import platform
 import pstats
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -584,6 +588,20 @@ def markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _commit() -> str | None:
+    """The checkout's commit, with "+dirty" when the tree has changes; None without git."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return f"{head}+dirty" if dirty else head
+
+
 def _device_name(device: torch.device) -> str:
     if device.type != "cuda":
         return platform.processor() or platform.machine()
@@ -670,6 +688,7 @@ def main() -> None:
             "command": "python -m benchmarks.relay_host_cost " + " ".join(sys.argv[1:]),
             "device": str(device),
             "device_name": name,
+            "commit": _commit(),
             "torch": TORCH_VERSION,
             "python": platform.python_version(),
             "pp": args.pp,
