@@ -86,6 +86,7 @@ __all__ = [
     "TorchInterpreter",
     "build_communicators",
     "init_distributed",
+    "pack",
     "scatter_rows",
     "section_view",
     "torch_dtype",
@@ -282,15 +283,18 @@ def _layout(tensor: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
 def section_view(packed: torch.Tensor, section: Section) -> torch.Tensor:
     """The region of the contiguous `packed` buffer that `section` names, as a view."""
     size = math.prod(section.shape) * _ITEMSIZE[section.dtype]
-    raw = packed.view(torch.uint8)[section.offset : section.offset + size]
+    # Flat first: viewing a 2-D buffer as bytes keeps its leading dimension.
+    raw = packed.reshape(-1).view(torch.uint8)[section.offset : section.offset + size]
     return raw.view(_TORCH_DTYPES[section.dtype]).view(*section.shape)
 
 
-def _corner(region: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """The top-left corner of `region` that `source` fills."""
-    if region.shape == source.shape:
-        return region
-    return region[tuple(slice(0, size) for size in source.shape)]
+def pack(out: torch.Tensor, sections: Iterable[tuple[Section, torch.Tensor]]) -> None:
+    """Copy each source into the top-left corner of its section of the zeroed `out`."""
+    for section, source in sections:
+        region = section_view(out, section)
+        if region.shape != source.shape:
+            region = region[tuple(slice(0, size) for size in source.shape)]
+        region.copy_(source)
 
 
 class TorchInterpreter:
@@ -504,9 +508,32 @@ class TorchInterpreter:
                     self._validate(effect)
                 handlers[type(effect)](effect)
         finally:
-            if self._current is not None:
-                self._current = None
-                torch.cuda.set_stream(prior)
+            self.restore_stream(prior)
+
+    def handler(self, effect: Effect) -> Callable[[Any], None]:
+        """The fast handler of `effect`'s kind (plans call it without validation)."""
+        return self._handlers[type(effect)]
+
+    def run_handlers(
+        self, handlers: Sequence[Callable[[Any], None]], effects: Sequence[Effect]
+    ) -> None:
+        """Call `handlers[i](effects[i])` in order: a plan's run, already validated."""
+        if self._streams is None:
+            for handler, effect in zip(handlers, effects, strict=True):
+                handler(effect)
+            return
+        prior = torch.cuda.current_stream(self._device)
+        try:
+            for handler, effect in zip(handlers, effects, strict=True):
+                handler(effect)
+        finally:
+            self.restore_stream(prior)
+
+    def restore_stream(self, prior: torch.cuda.Stream) -> None:
+        """Make `prior` current again if a kernel switched streams (CUDA)."""
+        if self._current is not None:
+            self._current = None
+            torch.cuda.set_stream(prior)
 
     def on_stream(self, stream: Stream) -> None:
         """Make `stream` current for the kernels that follow (CUDA; inside `perform`)."""
@@ -814,8 +841,7 @@ class TorchInterpreter:
         env.check_unbound(effect, effect.out)
         self.on_stream(effect.stream)
         out = torch.zeros(effect.nbytes // 8, dtype=torch.int64, device=self._device)
-        for section, source in zip(effect.sections, sources, strict=True):
-            _corner(section_view(out, section), source).copy_(source)
+        pack(out, zip(effect.sections, sources, strict=True))
         env.buffers[effect.out] = out
 
     def _unpack(self, effect: Unpack) -> None:

@@ -1,0 +1,491 @@
+"""CUDA-graph capture of a plan: a steady batch replays with one graph launch.
+
+What is captured. A plan's batch splits into a *prefix*, a *device segment* and a
+*suffix*. The segment runs from the first to the last effect that queues device work
+(Allocate, CopyHostToDevice, Broadcast, PadColumns, StackRows, GatherRows, ScatterRows,
+Pack, Unpack); it may also hold effects that only change names (Release, Alias,
+RecordStream, ForgetEvent). A plan is captured only if:
+- all its device work is on one stream S, and every broadcast runs over an NCCL group;
+- no stream ordering (WaitStream, WaitEvent, RecordEvent) sits inside the segment,
+  so ordering against other streams happens before or after the whole segment;
+- it holds no host work (AllReduce, WaitWork, CheckHeader, Synchronize).
+The relay's receive and broadcast batches have this shape. Anything else runs as a plan.
+
+How a replay runs (all on S, with no host sync):
+1. the prefix is performed as eager would (waits on other streams);
+2. inputs the segment only reads are copied into the instance's static buffers; the
+   host arrays of CopyHostToDevice go through fresh pinned staging with a
+   non-blocking copy into their static device buffers (both outside the graph);
+3. `graph.replay()` on S;
+4. the names are bound as eager would bind them, to the instance's static outputs
+   (views included), and released names are dropped;
+5. the suffix is performed as eager would (record events on S, after the replay).
+Inputs the segment writes in place (a ScatterRows target, a broadcast's receive
+buffer) or views (an Unpack source) are baked into the graph: a run replays only if
+that input is the very tensor captured, else it runs as a plan.
+
+Outputs outlive the step. The relay keeps what it receives for `ring_depth` steps, so
+a replay must not overwrite outputs that are still in use. Each plan keeps up to
+`copies` graph instances (pass ring_depth + 1), each with its own static outputs, and
+a run uses an instance none of whose outputs is referenced outside it any more (their
+Python reference counts are back to what they were right after capture). If all are
+still in use, the run falls back to the plan, so outputs are never overwritten while
+held; a too-small `copies` costs speed, not correctness. (A caller that keeps a view
+it made itself of an output, past that output's release, is not seen: release views
+with their buffers.)
+
+Capture happens the first time an instance is needed: the plan's first (eager) run
+was the warm-up (NCCL communicators and kernels initialised); `torch.cuda.graph`
+synchronises the device while it captures, so steady steps are the ones after the
+`copies` captures. NCCL collectives are captured with capture_error_mode
+"thread_local", so the NCCL watchdog thread's queries do not invalidate the capture.
+"""
+
+from __future__ import annotations
+
+import sys
+import typing
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeAlias
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from purepp.effects.plan import Name, Plan
+from purepp.effects.torch_interpreter import pack, scatter_rows, section_view, torch_dtype
+from purepp.effects.vocabulary import (
+    Alias,
+    Allocate,
+    AllReduce,
+    Broadcast,
+    BufferRef,
+    CheckHeader,
+    CopyHostToDevice,
+    Effect,
+    ForgetEvent,
+    GatherRows,
+    Pack,
+    PadColumns,
+    RecordEvent,
+    RecordStream,
+    Release,
+    ScatterRows,
+    StackRows,
+    Stream,
+    Synchronize,
+    Unpack,
+    WaitEvent,
+    WaitStream,
+    WaitWork,
+)
+
+if TYPE_CHECKING:
+    from purepp.effects.torch_interpreter import TorchInterpreter
+
+__all__ = ["replay"]
+
+Slots: TypeAlias = dict[int, torch.Tensor]  # position -> tensor, while capturing
+Kernel: TypeAlias = Callable[[Slots], None]
+
+
+@attrs.frozen
+class _Bind:
+    """After a replay: bind position `out` to the tensor of position `source`."""
+
+    out: int
+    source: int
+
+
+@attrs.frozen
+class _Drop:
+    """After a replay: unbind position `position` (a Release in the segment)."""
+
+    position: int
+
+
+@attrs.frozen
+class _Record:
+    """After a replay: RecordStream of an input (outputs are static: nothing to record)."""
+
+    position: int
+    stream: Stream
+
+
+_NameOp: TypeAlias = _Bind | _Drop | _Record
+
+
+@attrs.define
+class _Instance:
+    """One captured graph and its static buffers."""
+
+    graph: torch.cuda.CUDAGraph
+    slots: Slots  # every position's tensor at the end of the capture (inputs included)
+    baseline: dict[int, int]  # output position -> its refcount right after capture
+
+
+@attrs.define
+class _Capturable:
+    """A plan's analysis for capture, and its graph instances."""
+
+    stream: Stream  # S: the stream of all device work
+    first: int  # index of the first effect of the segment
+    last: int  # index of its last effect
+    kernels: list[Kernel]  # the segment's device work over slots, in order
+    copied: tuple[int, ...]  # input positions only read: copied into static buffers
+    baked: tuple[int, ...]  # input positions written in place or viewed: must be identical
+    # (effect index, position, shape) of each CopyHostToDevice: copied in before the replay
+    host: tuple[tuple[int, int, tuple[int, ...]], ...]
+    made: tuple[int, ...]  # positions the segment binds to its own tensors
+    name_ops: tuple[_NameOp, ...]  # the segment's changes to names, replayed after the graph
+    instances: list[_Instance] = attrs.Factory(list)
+    turn: int = 0  # the instance tried first next time
+
+
+def replay(
+    interp: TorchInterpreter,
+    plan: Plan,
+    effects: tuple[Effect, ...],
+    names: list[Name],
+    *,
+    copies: int,
+) -> bool:
+    """Run this batch by replaying a CUDA graph of `plan`; False: run the plan instead."""
+    capturable = plan.capture
+    if capturable is None:
+        capturable = _analyse(interp, plan)
+        if capturable is None:
+            plan.uncapturable = True
+            return False
+        plan.capture = capturable
+    buffers = interp.env.buffers
+    instance = _free_instance(interp, capturable, names, copies)
+    if instance is None:
+        return False
+    stream = interp.cuda_stream(capturable.stream)
+    prior = torch.cuda.current_stream(interp.device)
+    handlers = plan.handlers
+    try:
+        for index in range(capturable.first):
+            handlers[index](effects[index])
+        interp.on_stream(capturable.stream)
+        slots = instance.slots
+        for position in capturable.copied:
+            tensor = buffers[typing.cast(BufferRef, names[position])]
+            slots[position].copy_(tensor, non_blocking=True)
+            tensor.record_stream(stream)  # read on S: keep its memory until S is past it
+        for index, position, _ in capturable.host:
+            source = typing.cast(CopyHostToDevice, effects[index]).source
+            staging = torch.empty(source.shape, dtype=torch.int32, pin_memory=True)
+            staging.numpy()[...] = source
+            slots[position].copy_(staging, non_blocking=True)
+        instance.graph.replay()
+        for op in capturable.name_ops:
+            match op:
+                case _Bind():
+                    if op.source in capturable.made or op.source == op.out:
+                        value = slots[op.source]
+                    else:
+                        value = buffers[typing.cast(BufferRef, names[op.source])]
+                    buffers[typing.cast(BufferRef, names[op.out])] = value
+                case _Drop():
+                    del buffers[typing.cast(BufferRef, names[op.position])]
+                case _Record():
+                    tensor = buffers[typing.cast(BufferRef, names[op.position])]
+                    tensor.record_stream(interp.cuda_stream(op.stream))
+                case _:
+                    typing.assert_never(op)
+        for index in range(capturable.last + 1, len(effects)):
+            handlers[index](effects[index])
+    finally:
+        interp.restore_stream(prior)
+    return True
+
+
+def _free_instance(
+    interp: TorchInterpreter, capturable: _Capturable, names: list[Name], copies: int
+) -> _Instance | None:
+    """An instance whose outputs nobody holds and whose baked inputs are this run's."""
+    buffers = interp.env.buffers
+    count = len(capturable.instances)
+    for offset in range(count):
+        index = (capturable.turn + offset) % count
+        instance = capturable.instances[index]
+        slots = instance.slots
+        if all(
+            buffers.get(typing.cast(BufferRef, names[p])) is slots[p] for p in capturable.baked
+        ) and all(sys.getrefcount(slots[p]) <= held for p, held in instance.baseline.items()):
+            capturable.turn = (index + 1) % max(count, 1)
+            return instance
+    if count >= copies:
+        return None
+    instance = _capture(interp, capturable, names)
+    capturable.instances.append(instance)
+    capturable.turn = 0
+    return instance
+
+
+def _capture(interp: TorchInterpreter, capturable: _Capturable, names: list[Name]) -> _Instance:
+    buffers = interp.env.buffers
+    slots: Slots = {}
+    for position in capturable.baked:
+        slots[position] = buffers[typing.cast(BufferRef, names[position])]
+    for position in capturable.copied:
+        like = buffers[typing.cast(BufferRef, names[position])]
+        slots[position] = torch.empty(tuple(like.shape), dtype=like.dtype, device=like.device)
+    for _, position, shape in capturable.host:
+        slots[position] = torch.empty(shape, dtype=torch.int32, device=interp.device)
+    graph = torch.cuda.CUDAGraph()
+    # The graph's own capture stream is current inside: kernels queue there, not on S.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for kernel in capturable.kernels:
+            kernel(slots)
+    # Baselines: what holds each output now (the slots dict, the call's argument).
+    baseline = {p: sys.getrefcount(slots[p]) for p in capturable.made}
+    return _Instance(graph=graph, slots=slots, baseline=baseline)
+
+
+# -- analysis: which plans can be captured, and their kernels over slots ------------------
+
+_DEVICE = (
+    Allocate,
+    CopyHostToDevice,
+    Broadcast,
+    PadColumns,
+    StackRows,
+    GatherRows,
+    ScatterRows,
+    Pack,
+    Unpack,
+)
+_ORDER = (WaitStream, WaitEvent, RecordEvent, ForgetEvent)
+_HOST = (AllReduce, WaitWork, CheckHeader, Synchronize)
+
+
+class _Segment:
+    """What the walk over a segment learns: kernels, name changes, inputs and outputs."""
+
+    def __init__(self) -> None:
+        self.kernels: list[Kernel] = []
+        self.name_ops: list[_NameOp] = []
+        self.made: list[int] = []
+        self.reads: set[int] = set()  # inputs only read
+        self.baked: set[int] = set()  # inputs written in place or viewed
+        self.host: list[tuple[int, int, tuple[int, ...]]] = []
+        self.refused = False  # something in it cannot be captured
+
+    def make(self, position: int) -> None:
+        if position in self.made:
+            self.refused = True  # made twice: one static slot cannot hold both
+        self.made.append(position)
+        self.name_ops.append(_Bind(position, position))
+
+    def read(self, position: int) -> None:
+        if position not in self.made:
+            self.reads.add(position)
+
+    def write(self, position: int) -> None:
+        if position not in self.made:
+            self.baked.add(position)
+
+
+def _analyse(interp: TorchInterpreter, plan: Plan) -> _Capturable | None:
+    """The plan's capture layout, or None when it cannot be captured (see the module)."""
+    effects = plan.effects
+    at = {name: position for position, name in enumerate(plan.names)}
+    device = [i for i, effect in enumerate(effects) if isinstance(effect, _DEVICE)]
+    if not device or any(isinstance(effect, _HOST) for effect in effects):
+        return None
+    first, last = device[0], device[-1]
+    segment = _Segment()
+    streams: set[Stream] = set()
+    for index in range(first, last + 1):
+        effect = effects[index]
+        if isinstance(effect, _ORDER):
+            return None
+        stream = _lower(interp, effect, index, at, segment)
+        if stream is not None:
+            streams.add(stream)
+    if len(streams) != 1 or segment.refused:
+        return None
+    baked = segment.baked
+    return _Capturable(
+        stream=streams.pop(),
+        first=first,
+        last=last,
+        kernels=segment.kernels,
+        copied=tuple(sorted(segment.reads - baked)),
+        baked=tuple(sorted(baked)),
+        host=tuple(segment.host),
+        made=tuple(segment.made),
+        name_ops=tuple(segment.name_ops),
+    )
+
+
+def _lower(
+    interp: TorchInterpreter,
+    effect: Effect,
+    index: int,
+    at: dict[Name, int],
+    segment: _Segment,
+) -> Stream | None:
+    """Add `effect`'s kernel and name changes to `segment`; its stream if it queues work."""
+    match effect:
+        case Allocate() | CopyHostToDevice() | Broadcast() | Pack() | Unpack():
+            return _lower_wire(interp, effect, index, at, segment)
+        case PadColumns() | StackRows() | GatherRows() | ScatterRows():
+            return _lower_rows(effect, at, segment)
+        case Release():
+            segment.name_ops.append(_Drop(at[effect.buffer]))
+            return None
+        case Alias():
+            segment.name_ops.append(_Bind(at[effect.out], at[effect.source]))
+            return None
+        case RecordStream():
+            p = at[effect.buffer]
+            if p not in segment.made:  # static outputs need no record
+                segment.name_ops.append(_Record(p, effect.stream))
+            return None
+        case (
+            WaitStream()
+            | RecordEvent()
+            | WaitEvent()
+            | ForgetEvent()
+            | CheckHeader()
+            | AllReduce()
+            | WaitWork()
+            | Synchronize()
+        ):
+            raise AssertionError(f"{type(effect).__name__} is never inside a captured segment")
+        case _:
+            typing.assert_never(effect)
+
+
+def _lower_wire(
+    interp: TorchInterpreter,
+    effect: Allocate | CopyHostToDevice | Broadcast | Pack | Unpack,
+    index: int,
+    at: dict[Name, int],
+    segment: _Segment,
+) -> Stream:
+    """New buffers, the wire and its packing."""
+    kernels = segment.kernels
+    device = interp.device
+    match effect:
+        case Allocate():
+            p, shape, dtype = at[effect.buffer], effect.shape, torch_dtype(effect.dtype)
+
+            def allocate(slots: Slots) -> None:
+                slots[p] = torch.empty(shape, dtype=dtype, device=device)
+
+            kernels.append(allocate)
+            segment.make(p)
+            return effect.stream
+        case CopyHostToDevice():
+            # Its static buffer is made with the instance and filled before each replay.
+            p = at[effect.buffer]
+            segment.host.append((index, p, effect.source.shape))
+            segment.make(p)
+            return effect.stream
+        case Broadcast():
+            p = at[effect.buffer]
+            group = interp.group(effect, effect.comm)
+            if dist.get_backend(group) != "nccl":
+                segment.refused = True  # only NCCL collectives can be captured
+            options = interp.broadcast_options(effect)
+            if effect.src == interp.rank:
+                segment.read(p)
+            else:
+                segment.write(p)
+
+            def broadcast(slots: Slots) -> None:
+                group.broadcast([slots[p]], options).wait()
+
+            kernels.append(broadcast)
+            return effect.stream
+        case Pack():
+            sections = [(at[s.buffer], s) for s in effect.sections]
+            q, words = at[effect.out], effect.nbytes // 8
+            for p, _ in sections:
+                segment.read(p)
+
+            def pack_sections(slots: Slots) -> None:
+                out = torch.zeros(words, dtype=torch.int64, device=device)
+                pack(out, ((section, slots[p]) for p, section in sections))
+                slots[q] = out
+
+            kernels.append(pack_sections)
+            segment.make(q)
+            return effect.stream
+        case Unpack():
+            p = at[effect.source]
+            views = [(at[s.buffer], s) for s in effect.sections]
+            segment.write(p)  # the views alias it: the graph must see the tensor itself
+
+            def unpack(slots: Slots) -> None:
+                for q, section in views:
+                    slots[q] = section_view(slots[p], section)
+
+            kernels.append(unpack)
+            for q, _ in views:
+                segment.make(q)
+            return effect.stream
+        case _:
+            typing.assert_never(effect)
+
+
+def _lower_rows(
+    effect: PadColumns | StackRows | GatherRows | ScatterRows,
+    at: dict[Name, int],
+    segment: _Segment,
+) -> Stream:
+    """The row moves."""
+    kernels = segment.kernels
+    match effect:
+        case PadColumns():
+            p, q, width, fill = at[effect.source], at[effect.out], effect.width, effect.fill
+            segment.read(p)
+
+            def pad(slots: Slots) -> None:
+                source = slots[p]
+                slots[q] = F.pad(source, (0, width - source.shape[1]), value=fill)
+
+            kernels.append(pad)
+            segment.make(q)
+            return effect.stream
+        case StackRows():
+            ps, q = [at[ref] for ref in effect.sources], at[effect.out]
+            for p in ps:
+                segment.read(p)
+
+            def stack(slots: Slots) -> None:
+                slots[q] = torch.stack([slots[p] for p in ps], dim=0)
+
+            kernels.append(stack)
+            segment.make(q)
+            return effect.stream
+        case GatherRows():
+            p, i, q = at[effect.source], at[effect.index], at[effect.out]
+            segment.read(p)
+            segment.read(i)
+
+            def gather(slots: Slots) -> None:
+                slots[q] = torch.index_select(slots[p], 0, slots[i])
+
+            kernels.append(gather)
+            segment.make(q)
+            return effect.stream
+        case ScatterRows():
+            p, i, t = at[effect.source], at[effect.index], at[effect.target]
+            segment.read(p)
+            segment.read(i)
+            segment.write(t)
+
+            def scatter(slots: Slots) -> None:
+                scatter_rows(slots[p], slots[i], slots[t])
+
+            kernels.append(scatter)
+            return effect.stream
+        case _:
+            typing.assert_never(effect)
