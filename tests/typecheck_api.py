@@ -11,6 +11,7 @@ from typing import assert_type
 import numpy as np
 
 import purepp
+from purepp import dp
 from purepp.effects import BufferRef, DType, Effect, TensorSpec
 from purepp.effects.arrays import BoolArray, IntArray
 from purepp.relay import relay_header
@@ -39,23 +40,15 @@ def _relay_steps(config: purepp.RelayConfig, batch: purepp.BatchFacts) -> None:
 
 
 def _agreement(dispatcher: purepp.CudaGraphDispatcher) -> None:
-    started = purepp.start_agreement(
-        dispatcher,
-        step=0,
-        num_reqs=2,
-        num_tokens=2,
-        uniform_token_count=1,
-        dp_size=2,
-        dp_rank=0,
-    )
-    if started.state is None:
-        assert_type(started.result, purepp.DispatchOutcome)
-        return
-    assert_type(started.state, purepp.PendingAgreement)
-    waited = purepp.wait_for_agreement(started.state)
-    assert_type(waited.result, BufferRef)
+    # The DP agreement's own types are pinned in tests/typecheck_dp.py.
+    group = dp.AgreementGroup(dp_size=2, dp_rank=0)
+    facts = dp.RankBatch(num_reqs=2, num_tokens=2, uniform_token_count=1)
+    started = purepp.start_agreement(dp.AgreementLanes(), group, dispatcher, facts, step=0)
+    assert_type(started.result, purepp.PendingAgreement)
+    waited = purepp.wait_for_agreement(started.result)
+    assert_type(waited.result, BufferRef | None)
     table = np.zeros((5, 2), dtype=np.int32)
-    decided = purepp.finish_agreement(started.state, table)
+    decided = purepp.finish_agreement(started.state, started.result, table)
     assert_type(decided.result, purepp.DispatchOutcome)
     assert_type(decided.result.descriptor, purepp.BatchExecutionDescriptor)
     assert_type(decided.result.sync, purepp.DPSyncState | None)
