@@ -17,7 +17,8 @@ import torch
 from purepp.effects.torch_interpreter import TorchInterpreter, build_communicators
 from purepp.effects.vocabulary import Effect, ScatterRows
 from purepp.layout import Layout
-from purepp.runner.loop import RankLoop, RankResult
+from purepp.runner.loop import RankLoop
+from purepp.runner.results import RankResult
 from purepp.runner.parity import ParityVerdict, check_parity
 from purepp.runner.settings import RunSettings
 from purepp.runner.toy_model import reference_generate

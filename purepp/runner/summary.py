@@ -19,6 +19,7 @@ class RunSummary:
 
     settings: RunSettings  # the run's settings
     steps: int  # steps each rank ran
+    reference_steps: int  # steps the single-stage reference ran (bounded by --steps too)
     requests: int  # requests in the workload
     tokens: int  # output tokens produced
     seconds: float  # wall time of the slowest rank's loop
@@ -39,7 +40,8 @@ class RunSummary:
             [
                 f"purepp run: pp={s.pp} x dp={s.dp} on {s.backend}, spec={s.spec}, seed={s.seed}"
                 + (", relay header validated" if s.validate_header else ""),
-                f"  steps            {self.steps}",
+                f"  steps            {self.steps} (the single-stage reference: "
+                f"{self.reference_steps})",
                 f"  requests         {self.requests} ({self.aborted} aborted in flight)",
                 f"  tokens           {self.tokens} in {self.seconds:.2f} s ({rate:.1f} tokens/s)",
                 f"  drafts accepted  {accepted}",
@@ -73,6 +75,7 @@ def summarise(
     return RunSummary(
         settings=settings,
         steps=max((r.steps for r in results), default=0),
+        reference_steps=max((r.steps for r in reference), default=0),
         requests=settings.requests,
         tokens=sum(len(tokens) for tokens in outputs.values()),
         seconds=max((r.seconds for r in results), default=0.0),
