@@ -18,8 +18,8 @@ from purepp.effects.torch_interpreter import TorchInterpreter, build_communicato
 from purepp.effects.vocabulary import Effect, ScatterRows
 from purepp.layout import Layout
 from purepp.runner.loop import RankLoop
-from purepp.runner.results import RankResult
 from purepp.runner.parity import ParityVerdict, check_parity
+from purepp.runner.results import RankResult
 from purepp.runner.settings import RunSettings
 from purepp.runner.toy_model import reference_generate
 from purepp.runner.workload import Workload, make_workload
