@@ -1,0 +1,191 @@
+"""Every way of performing effects gives the same outputs, the same names and the same errors.
+
+The numpy interpreter is the reference; the torch interpreter runs fast (the default),
+checked, with plans, and checked with plans, on a one-rank gloo world. A relay-like
+program (tests/_interpreter_programs.py) is compared after every batch: every bound
+buffer's contents and every bound name. Then bindings that do not fit a plan: the
+plan falls back to eager and raises eager's error, leaving eager's environment.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import torch
+import torch.distributed as dist
+
+from purepp.effects.numpy_interpreter import NumpyInterpreter
+from purepp.effects.plan import abstract
+from purepp.effects.torch_interpreter import (
+    TorchInterpreter,
+    build_communicators,
+    init_distributed,
+)
+from purepp.effects.vocabulary import BufferRef, Communicator, Effect, EventRef, WorkRef
+from purepp.errors import InterpreterError
+from tests import _interpreter_programs as programs
+
+CPU = torch.device("cpu")
+STEPS = 16
+MODES = ("fast", "checked", "plans", "checked-plans")
+
+Snapshot = tuple[frozenset[BufferRef | EventRef | WorkRef], dict[str, list[Any]]]
+
+
+@pytest.fixture(scope="module")
+def groups() -> Iterator[dict[Communicator, dist.ProcessGroup]]:
+    """A single-rank gloo world with every communicator, for the whole module."""
+    if dist.is_initialized():
+        pytest.fail("another test left a default process group initialised")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    timeout = datetime.timedelta(seconds=10)
+    with tempfile.TemporaryDirectory() as rendezvous:
+        init_distributed(
+            backend="gloo",
+            init_method=f"file://{rendezvous}/store",
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+        )
+        try:
+            yield build_communicators(
+                pp_groups=[[0]], dp_groups=[[0]], relay_backend="gloo", timeout=timeout
+            )
+        finally:
+            dist.destroy_process_group()
+
+
+def torch_interp(groups: dict[Communicator, dist.ProcessGroup], mode: str) -> TorchInterpreter:
+    return TorchInterpreter(
+        device=CPU, groups=groups, rank=0, checked="checked" in mode, plans="plans" in mode
+    )
+
+
+def bind_torch(interp: TorchInterpreter) -> programs.Bind:
+    def bind(ref: BufferRef, values: npt.NDArray[np.int64] | npt.NDArray[np.int32]) -> None:
+        interp.bind(ref, torch.from_numpy(np.array(values, copy=True)))
+
+    return bind
+
+
+def snapshot_torch(interp: TorchInterpreter) -> Snapshot:
+    names = interp.bound_refs()
+    values = {ref.name: interp.tensor(ref).tolist() for ref in names if isinstance(ref, BufferRef)}
+    return names, values
+
+
+def snapshot_numpy(interp: NumpyInterpreter) -> Snapshot:
+    names = interp.bound_refs()
+    values = {ref.name: interp.tensor(ref).tolist() for ref in names if isinstance(ref, BufferRef)}
+    return names, values
+
+
+def run_numpy(steps: int) -> list[Snapshot]:
+    interp = NumpyInterpreter(rank=0)
+    seen = []
+    for batch in programs.program(steps, interp.bind):
+        interp.perform(batch)
+        seen.append(snapshot_numpy(interp))
+    return seen
+
+
+def run_torch(interp: TorchInterpreter, steps: int) -> list[Snapshot]:
+    seen = []
+    for batch in programs.program(steps, bind_torch(interp)):
+        interp.perform(batch)
+        seen.append(snapshot_torch(interp))
+    return seen
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_matches_the_numpy_reference_after_every_batch(
+    groups: dict[Communicator, dist.ProcessGroup], mode: str
+) -> None:
+    reference = run_numpy(STEPS)
+    interp = torch_interp(groups, mode)
+    seen = run_torch(interp, STEPS)
+    assert len(seen) == len(reference)
+    for batch, (got, want) in enumerate(zip(seen, reference, strict=True)):
+        assert got[0] == want[0], batch
+        assert got[1] == want[1], batch
+    planner = interp.planner
+    if "plans" in mode:
+        assert planner is not None
+        # Steady steps run their plans; first meetings (new structures or input layouts)
+        # run eagerly, and each lowers a plan.
+        assert planner.planned > planner.eager
+        assert planner.lowered == planner.eager
+    else:
+        assert planner is None
+
+
+def test_steps_with_other_names_share_one_structure() -> None:
+    first, first_names = abstract(programs.send(5, 5))
+    second, second_names = abstract(programs.send(6, 5))
+    assert first == second
+    assert first_names != second_names
+    assert abstract(programs.send(6, 7))[0] != first  # another row count: another structure
+
+
+def test_host_data_is_a_binding_and_its_shape_is_structure() -> None:
+    one, _ = abstract(programs.consume(3, 5))
+    other, _ = abstract(programs.consume(7, 5))  # other idx mapping values, same shape
+    assert one == other
+    assert abstract(programs.consume(7, 7))[0] != one
+
+
+def _run_until(interp: TorchInterpreter, steps: int) -> None:
+    """Perform every batch of `steps` steps, then bind step `steps`'s inputs."""
+    bind = bind_torch(interp)
+    for batch in programs.program(steps, bind):
+        interp.perform(batch)
+
+
+def _outcome(interp: TorchInterpreter, batch: tuple[Effect, ...]) -> tuple[str, Snapshot]:
+    try:
+        interp.perform(batch)
+    except InterpreterError as error:
+        return str(error), snapshot_torch(interp)
+    return "performed", snapshot_torch(interp)
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "fast"])
+@pytest.mark.parametrize("bad", ["too-wide", "unbound-input", "made-name-bound"])
+def test_bindings_that_do_not_fit_a_plan_get_eagers_outcome(
+    groups: dict[Communicator, dist.ProcessGroup], checked: bool, bad: str
+) -> None:
+    outcomes = []
+    for plans in (False, True):
+        interp = TorchInterpreter(device=CPU, groups=groups, rank=0, checked=checked, plans=plans)
+        _run_until(interp, 8)  # steps 0..7: the plans are made and running
+        step, n = 8, programs.n_at(8)
+        interp.perform(programs.consume(step, programs.n_at(7)))
+        interp.perform(programs.agree(step))
+        bind = bind_torch(interp)
+        bind(programs.NUM_SAMPLED, np.full(n, 3, dtype=np.int32))
+        bind(programs.NUM_REJECTED, np.zeros(n, dtype=np.int32))
+        if bad == "too-wide":
+            bind(programs.SAMPLED, np.ones((n, programs.WIDTH + 1), dtype=np.int64))
+        elif bad == "unbound-input":
+            bind(programs.SAMPLED, np.ones((n, 3), dtype=np.int64))
+            interp.perform((programs.send(step, n)[0],))  # a harmless effect, then unbind:
+            interp.env.buffers.pop(programs.SAMPLED)
+        else:
+            bind(programs.SAMPLED, np.ones((n, 3), dtype=np.int64))
+            bind(programs.ref(step, "counts"), np.zeros((2, n), dtype=np.int32))
+        outcomes.append(_outcome(interp, programs.send(step, n)))
+        if plans:
+            assert interp.planner is not None
+            assert interp.planner.planned > 0
+    (eager_message, eager_env), (plan_message, plan_env) = outcomes
+    assert plan_message == eager_message
+    assert plan_env == eager_env
+    if checked or bad != "too-wide":
+        assert eager_message != "performed"
