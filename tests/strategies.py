@@ -19,7 +19,7 @@ from purepp.cudagraph import (
     CudaGraphDispatcher,
     CUDAGraphMode,
 )
-from purepp.dp import RankBatch
+from purepp.dp import SEED_TABLE, MicrobatchConfig, RankBatch, TableLayout
 from purepp.effects.arrays import IntArray
 from purepp.effects.log import EffectLog, Layout, LogHeader
 from purepp.effects.vocabulary import (
@@ -505,3 +505,31 @@ def schedule_configs(
         max_num_reqs=draw(st.integers(1, 6)),
         validate_header=draw(st.booleans()),
     )
+
+
+# ---------------------------------------------------------------------------
+# DP agreement: table layouts and dead ranks (tests/test_dp_newest.py)
+# ---------------------------------------------------------------------------
+
+
+@st.composite
+def microbatch_configs(draw: st.DrawFn) -> MicrobatchConfig:
+    """Thresholds low enough that the batches of `rank_batches` often reach them."""
+    return MicrobatchConfig(
+        num_ubatches=draw(st.integers(2, 4)),
+        decode_token_threshold=draw(st.integers(0, 12)),
+        prefill_token_threshold=draw(st.integers(0, 40)),
+    )
+
+
+def table_layouts() -> st.SearchStrategy[TableLayout]:
+    """The seed's five rows, or the newest six with some microbatching thresholds."""
+    newest = microbatch_configs().map(lambda config: TableLayout(microbatch=config))
+    return st.one_of(st.just(SEED_TABLE), newest)
+
+
+@st.composite
+def dead_rank_sets(draw: st.DrawFn, dp_size: int) -> frozenset[int]:
+    """Ranks of a `dp_size` group that died: any set leaving at least one survivor."""
+    ranks = draw(st.lists(st.integers(0, dp_size - 1), unique=True, max_size=dp_size - 1))
+    return frozenset(ranks)
