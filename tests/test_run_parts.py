@@ -1,0 +1,202 @@
+"""The pieces `purepp run` is built from, without processes: heartbeats read whole or
+not at all, results through the one converter, parity against a bounded reference,
+the options a rank is started with, messages without source paths, and no import
+cycle through the runner."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from purepp.runner.options import OptionParser, add_run_options, settings_from_args
+from purepp.runner.parity import check_parity
+from purepp.runner.progress import Beat, Heartbeat, read_beat, write_beat
+from purepp.runner.results import RankResult, ResultsError, read_results, write_results
+from purepp.runner.settings import RunSettings
+from purepp.runner.supervise import _Rank, without_source_paths, worker_argv
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _result(rank: int, outputs: dict[int, list[int]]) -> RankResult:
+    return RankResult(
+        rank=rank,
+        stage=rank,
+        replica=0,
+        steps=7,
+        seconds=0.25,
+        outputs=outputs,
+        finished=(3,),
+        aborted=(),
+        drafts_proposed=4,
+        drafts_accepted=2,
+        padded_tokens=1,
+        eager_steps=0,
+    )
+
+
+# -- heartbeats ---------------------------------------------------------------------
+
+
+def test_a_beat_is_read_whole_or_not_at_all(tmp_path: Path) -> None:
+    path = tmp_path / "rank0"
+    assert read_beat(path) is None  # not started
+    write_beat(path, Beat(done=12, total=40, count=3))
+    assert read_beat(path) == Beat(done=12, total=40, count=3)
+    assert [p.name for p in tmp_path.iterdir()] == ["rank0"]  # no partial file left
+    for torn in ("", "12", "12 40", "12 4x 3", "-1 40 3"):
+        path.write_text(torn)
+        assert read_beat(path) is None
+
+
+def test_the_launcher_keeps_the_last_whole_beat(tmp_path: Path) -> None:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    rank = _Rank(0, process, tmp_path / "err", tmp_path / "rank0")
+    write_beat(rank.beat_path, Beat(done=30, total=40, count=9))
+    rank.observe(now=1.0)
+    rank.beat_path.write_text("")  # a reader that raced a writer sees nothing
+    rank.observe(now=2.0)
+    assert rank.done_steps == 30  # never back to step 0
+    assert rank.beat_changed_at == 1.0  # and an empty read is not a sign of life
+
+
+def test_the_heartbeat_writes_each_step(tmp_path: Path) -> None:
+    path = tmp_path / "rank1"
+    heartbeat = Heartbeat(path, total=9, parent_pid=None).start()
+    heartbeat.step_done(4)
+    beat = read_beat(path)
+    heartbeat.stop()
+    assert beat is not None
+    assert (beat.done, beat.total) == (4, 9)
+    final = read_beat(path)
+    assert final is not None
+    assert final.count > beat.count
+
+
+# -- results ------------------------------------------------------------------------
+
+
+def test_results_cross_processes_through_the_converter(tmp_path: Path) -> None:
+    results = (_result(0, {}), _result(1, {3: [5, 6], 10: []}))
+    write_results(tmp_path / "results.json", results)
+    assert read_results(tmp_path / "results.json") == results
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ('[{"rank": "0"}]', 'expected an integer, got a string "0" @ results[0].rank'),
+        ("[", "cannot be read as JSON"),
+        ("{}", "results"),
+    ],
+)
+def test_a_bad_results_file_is_refused_naming_the_value(
+    tmp_path: Path, text: str, problem: str
+) -> None:
+    path = tmp_path / "results.json"
+    path.write_text(text)
+    with pytest.raises(ResultsError, match="read_results") as raised:
+        read_results(path)
+    assert problem in str(raised.value)
+
+
+def test_outputs_keep_integer_request_ids(tmp_path: Path) -> None:
+    path = tmp_path / "results.json"
+    write_results(path, [_result(1, {3: [5]})])
+    text = path.read_text().replace("[[3, [5]]]", '{"3": [5]}')
+    path.write_text(text)
+    with pytest.raises(ResultsError, match="outputs"):
+        read_results(path)
+
+
+# -- parity against a reference bounded by --steps ------------------------------------
+
+
+def test_nothing_compared_is_not_ok() -> None:
+    verdict = check_parity({0: []}, frozenset(), {0: [1, 2]}, frozenset())
+    assert verdict.nothing_compared
+    assert not verdict.ok
+    assert verdict.render().startswith("NOTHING COMPARED")
+
+
+def test_an_unfinished_reference_is_compared_as_far_as_both_got() -> None:
+    # The run finished request 0 past where the bounded reference stopped: a prefix.
+    verdict = check_parity({0: [1, 2, 3]}, frozenset({0}), {0: [1, 2]}, frozenset())
+    assert verdict.ok
+    assert (verdict.compared, verdict.prefixes) == (2, 1)
+    wrong = check_parity({0: [1, 9, 3]}, frozenset({0}), {0: [1, 2]}, frozenset())
+    assert wrong.mismatch is not None
+    assert wrong.mismatch.position == 1
+
+
+def test_a_run_past_a_finished_reference_is_a_mismatch() -> None:
+    verdict = check_parity({0: [1, 2, 3]}, frozenset(), {0: [1, 2]}, frozenset({0}))
+    assert verdict.mismatch is not None
+    assert verdict.mismatch.why == "ran past the reference's end"
+
+
+# -- the ranks' options ---------------------------------------------------------------
+
+
+def test_ranks_get_the_settings_the_launcher_checked() -> None:
+    settings = RunSettings(pp=3, dp=2, steps=11, requests=5, spec=1, seed=9, timeout_s=0.1 + 0.2)
+    parser = OptionParser(prog="worker")
+    add_run_options(parser)
+    parsed = settings_from_args(parser.parse_args(worker_argv(settings, None, None)))
+    assert parsed == settings
+
+
+def test_messages_lose_library_source_paths() -> None:
+    gloo = (
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+        "[127.0.0.1]:5548: Connection reset by peer"
+    )
+    assert without_source_paths(gloo) == "Read error [127.0.0.1]:5548: Connection reset by peer"
+    timed_out = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out"
+    assert without_source_paths(timed_out) == "Timed out"
+
+
+# -- the house ------------------------------------------------------------------------
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """purepp modules `module` imports anywhere in it (lazy imports count too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in found if name.startswith("purepp") and name != module}
+
+
+def test_no_import_cycle_runs_through_the_runner() -> None:
+    modules = {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts): path
+        for path in (ROOT / "purepp").rglob("*.py")
+    }
+    modules = {name.removesuffix(".__init__"): path for name, path in modules.items()}
+    graph = {name: _imports(path, name) & modules.keys() for name, path in modules.items()}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            name = todo.pop()
+            for nxt in graph.get(name, ()):
+                if nxt == goal:
+                    return True
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return False
+
+    runner = sorted(name for name in modules if name.startswith("purepp.runner."))
+    assert "purepp.runner.cli" in runner
+    cycles = [name for name in runner if reaches(name, name)]
+    assert cycles == []
