@@ -21,7 +21,7 @@ from purepp.runner.exit_codes import Exit, interrupted
 from purepp.runner.options import OptionParser, UsageError, add_run_options, settings_from_args
 from purepp.runner.supervise import Interrupted, RankFailure, launch
 
-__all__ = ["main"]
+__all__ = ["launch", "main"]
 
 
 def _run(args: argparse.Namespace) -> int:
