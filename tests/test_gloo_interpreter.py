@@ -180,20 +180,28 @@ class StepReport:
 class RankReport:
     steps: tuple[StepReport, ...]  # one per step
     left_bound: tuple[str, ...]  # names still bound at the end
+    planned: int  # batches run by a plan (plans mode)
 
 
-def relay_and_agree(ctx: RankContext) -> RankReport:
+def relay_and_agree(ctx: RankContext, mode: str = "fast", steps: int = STEPS) -> RankReport:
+    """`mode`: fast, checked or plans (the interpreter's modes give the same results)."""
     world, rank = ctx.world_size, ctx.rank
     everyone = list(range(world))
     groups = build_communicators(
         pp_groups=[everyone], dp_groups=[everyone], relay_backend=ctx.backend, timeout=ctx.timeout
     )
-    interp = TorchInterpreter(device=ctx.device, groups=groups, rank=rank)
+    interp = TorchInterpreter(
+        device=ctx.device,
+        groups=groups,
+        rank=rank,
+        checked=mode == "checked",
+        plans=mode == "plans",
+    )
     is_sender = rank == world - 1
     if not is_sender:
         interp.bind(SLOT_TABLE, torch.full((SLOTS, WIRE_WIDTH), -7, device=ctx.device))
     reports: list[StepReport] = []
-    for step in range(STEPS):
+    for step in range(steps):
         tokens, count_rows, dp_table, _, _ = names(step)
         if is_sender:
             interp.bind(SAMPLED, torch.from_numpy(sampled_tokens(step)).to(ctx.device))
@@ -218,7 +226,10 @@ def relay_and_agree(ctx: RankContext) -> RankReport:
             index = BufferRef(f"step{step}.index")
             interp.perform(tuple(Release(**tag, buffer=b) for b in (tokens, count_rows, index)))
         interp.perform((Release(step=step, op=Op.AGREE, buffer=dp_table),))
-    return RankReport(tuple(reports), tuple(sorted(ref.name for ref in interp.bound_refs())))
+    planned = 0 if interp.planner is None else interp.planner.planned
+    return RankReport(
+        tuple(reports), tuple(sorted(ref.name for ref in interp.bound_refs())), planned
+    )
 
 
 def expected_slot_table(last_step: int) -> list[list[int]]:
@@ -257,6 +268,24 @@ def test_relay_broadcasts_and_async_agreement_arrive_exactly(backend: Backend, w
     reports = run_ranks(
         relay_and_agree, world, backend=backend, timeout=datetime.timedelta(seconds=20)
     )
+    check_reports(reports, world)
+
+
+@pytest.mark.parametrize("mode", ["checked", "plans"])
+def test_checked_and_planned_ranks_see_what_fast_ones_see(mode: str) -> None:
+    steps = 4  # plans run from each structure's second step
+    reports = run_ranks(
+        functools.partial(relay_and_agree, mode=mode, steps=steps),
+        2,
+        backend="gloo",
+        timeout=datetime.timedelta(seconds=20),
+    )
+    check_reports(reports, 2)
+    if mode == "plans":
+        assert all(report.planned >= steps - 1 for report in reports)
+
+
+def check_reports(reports: list[RankReport], world: int) -> None:
     for rank, report in enumerate(reports):
         for step, seen in enumerate(report.steps):
             reduced = np.array([dp_column(r, step) for r in range(world)], dtype=np.int32).T
