@@ -29,21 +29,19 @@ from purepp.effects.vocabulary import (
     RecordStream,
     Release,
     ScatterRows,
+    Section,
     StackRows,
     Stream,
     TensorSpec,
+    Unpack,
     WaitEvent,
     WaitStream,
 )
 from purepp.errors import ConfigError, InvalidInputError, PureppError, WrongRankError
 from purepp.relay import (
-    DRAFT_TOKENS,
-    IDX_MAPPING,
-    NUM_REJECTED,
-    NUM_SAMPLED,
-    SAMPLED_TOKENS,
     ConsumedOutputs,
     PendingReceive,
+    Platform,
     RelayConfig,
     RelayState,
     broadcast_drafts,
@@ -59,7 +57,9 @@ from purepp.relay import (
 from tests.relay_reference import arrays_in
 from tests.strategies import DECODE, PARTIAL, make_batch
 
-DRAFTS_TARGET = BufferRef("runner.draft_tokens")
+# Every config here keeps the default name, so they all read the same inputs.
+INPUTS = RelayConfig.for_stage(pp_size=1, stage=0, max_num_reqs=1).inputs
+DRAFTS_TARGET = INPUTS.draft_table
 
 
 class Tag(TypedDict):
@@ -79,7 +79,7 @@ def cfg(
     stage: int = 0,
     max_num_reqs: int = 8,
     spec: int = 0,
-    microbatching: bool = True,
+    platform: Platform = Platform.CUDA,
     keys: tuple[str, ...] = (),
 ) -> RelayConfig:
     return RelayConfig.for_stage(
@@ -87,7 +87,7 @@ def cfg(
         stage=stage,
         max_num_reqs=max_num_reqs,
         num_speculative_steps=spec,
-        microbatching=microbatching,
+        platform=platform,
         aux_hidden_state_keys=keys,
     )
 
@@ -119,7 +119,7 @@ def advance(
     config: RelayConfig, state: RelayState, facts: BatchFacts
 ) -> tuple[RelayState, ConsumedOutputs | None]:
     """One whole step of a non-last stage: consume, receive, end_step."""
-    taken = consume_previous_step(config, state, DRAFTS_TARGET)
+    taken = consume_previous_step(config, state, update_drafts=True)
     received = receive(config, taken.state, facts)
     return end_step(config, received.state).state, taken.result
 
@@ -143,12 +143,18 @@ def test_init_last_stage_has_an_empty_ring(pp_size: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("pp_size", "microbatching", "depth"), [(2, True, 2), (4, True, 4), (4, False, 1)]
+    ("pp_size", "platform", "depth"),
+    [
+        (2, Platform.CUDA, 2),
+        (4, Platform.CUDA, 4),
+        (4, Platform.XPU, 4),
+        (4, Platform.XPU_NO_MICROBATCH, 1),
+    ],
 )
 def test_init_other_stages_preseed_ring_depth_empty_entries(
-    pp_size: int, microbatching: bool, depth: int
+    pp_size: int, platform: Platform, depth: int
 ) -> None:
-    state = init_relay(cfg(pp_size=pp_size, stage=0, microbatching=microbatching))
+    state = init_relay(cfg(pp_size=pp_size, stage=0, platform=platform))
     assert state.ring == (None,) * depth
 
 
@@ -249,22 +255,30 @@ def test_receive_with_no_row_needing_a_sample_does_nothing(slots: list[int]) -> 
     assert got.state.ring[-1] is None
 
 
+def counts_of(entry: PendingReceive) -> BufferRef:
+    """The [2, n] counts buffer the seed's wire receives, unpacked into its two rows."""
+    (counts,) = [b for b in entry.buffers if b.name.endswith(".counts")]
+    return counts
+
+
 def expected_receive_effects(config: RelayConfig, entry: PendingReceive, n: int) -> list[Effect]:
-    """The seed's receive, call for call: wait main, allocate + broadcast, event, record_stream."""
+    """The seed's receive, call for call: wait main, allocate + broadcast, event, the
+    counts' rows as views (the seed's unbind), record_stream."""
     spec = config.num_speculative_steps
     tag = Tag(step=entry.step, op=Op.RECEIVE)
     wire = Wire(src=config.last_rank, comm=Communicator.PP_RELAY, stream=Stream.RELAY)
     shape = (n, spec + 1)
+    counts = counts_of(entry)
     effects: list[Effect] = [
         WaitStream(**tag, stream=Stream.RELAY, waits_for=Stream.MAIN),
         Allocate(
             **tag, buffer=entry.sampled_tokens, shape=shape, dtype=DType.INT64, stream=Stream.RELAY
         ),
-        Allocate(**tag, buffer=entry.counts, shape=(2, n), dtype=DType.INT32, stream=Stream.RELAY),
+        Allocate(**tag, buffer=counts, shape=(2, n), dtype=DType.INT32, stream=Stream.RELAY),
         Broadcast(**tag, **wire, buffer=entry.sampled_tokens, shape=shape, dtype=DType.INT64),
-        Broadcast(**tag, **wire, buffer=entry.counts, shape=(2, n), dtype=DType.INT32),
+        Broadcast(**tag, **wire, buffer=counts, shape=(2, n), dtype=DType.INT32),
     ]
-    received = [entry.sampled_tokens, entry.counts]
+    received = [entry.sampled_tokens, counts]
     if spec:
         assert entry.draft_tokens is not None
         drafts = entry.draft_tokens
@@ -274,8 +288,14 @@ def expected_receive_effects(config: RelayConfig, entry: PendingReceive, n: int)
         ]
         received.append(drafts)
     effects.append(RecordEvent(**tag, stream=Stream.RELAY, event=entry.event))
+    rows = (
+        Section(buffer=entry.num_sampled, offset=0, shape=(n,), dtype=DType.INT32),
+        Section(buffer=entry.num_rejected, offset=4 * n, shape=(n,), dtype=DType.INT32),
+    )
+    effects.append(Unpack(**tag, source=counts, stream=Stream.MAIN, sections=rows))
     effects += [RecordStream(**tag, buffer=b, stream=Stream.MAIN) for b in received]
-    effects.append(Alias(**tag, source=IDX_MAPPING, out=entry.idx_mapping))
+    assert entry.idx_mapping is not None
+    effects.append(Alias(**tag, source=INPUTS.idx_mapping, out=entry.idx_mapping))
     return effects
 
 
@@ -408,14 +428,14 @@ def test_broadcast_sampled_effects_follow_the_seed_order(width: int) -> None:
     assert list(got.effects) == [
         WaitStream(**tag, stream=Stream.RELAY, waits_for=Stream.MAIN),
         PadColumns(
-            **tag, source=SAMPLED_TOKENS, out=send_tokens, width=3, fill=0, stream=Stream.RELAY
+            **tag, source=INPUTS.sampled_tokens, out=send_tokens, width=3, fill=0, stream=Stream.RELAY
         ),
         Broadcast(**tag, **wire, buffer=send_tokens, shape=(2, 3), dtype=DType.INT64),
-        StackRows(**tag, sources=(NUM_SAMPLED, NUM_REJECTED), out=send_counts, stream=Stream.RELAY),
+        StackRows(**tag, sources=(INPUTS.num_sampled, INPUTS.num_rejected), out=send_counts, stream=Stream.RELAY),
         Broadcast(**tag, **wire, buffer=send_counts, shape=(2, 2), dtype=DType.INT32),
-        RecordStream(**tag, buffer=SAMPLED_TOKENS, stream=Stream.RELAY),
-        RecordStream(**tag, buffer=NUM_SAMPLED, stream=Stream.RELAY),
-        RecordStream(**tag, buffer=NUM_REJECTED, stream=Stream.RELAY),
+        RecordStream(**tag, buffer=INPUTS.sampled_tokens, stream=Stream.RELAY),
+        RecordStream(**tag, buffer=INPUTS.num_sampled, stream=Stream.RELAY),
+        RecordStream(**tag, buffer=INPUTS.num_rejected, stream=Stream.RELAY),
     ]
 
 
@@ -431,10 +451,10 @@ def test_broadcast_drafts_gathers_by_slot_and_sends_once() -> None:
     tag = Tag(step=0, op=Op.BROADCAST_DRAFTS)
     assert list(got.effects) == [
         WaitStream(**tag, stream=Stream.RELAY, waits_for=Stream.MAIN),
-        GatherRows(**tag, source=DRAFT_TOKENS, index=IDX_MAPPING, out=send, stream=Stream.RELAY),
-        RecordStream(**tag, buffer=IDX_MAPPING, stream=Stream.RELAY),
+        GatherRows(**tag, source=INPUTS.draft_table, index=INPUTS.idx_mapping, out=send, stream=Stream.RELAY),
+        RecordStream(**tag, buffer=INPUTS.idx_mapping, stream=Stream.RELAY),
         # Beyond the seed: a caller may bind a fresh draft table each step (FF5).
-        RecordStream(**tag, buffer=DRAFT_TOKENS, stream=Stream.RELAY),
+        RecordStream(**tag, buffer=INPUTS.draft_table, stream=Stream.RELAY),
         Broadcast(
             **tag,
             buffer=send,
@@ -483,7 +503,7 @@ def test_broadcast_drafts_rejects_bad_input(spec: int, table: TensorSpec) -> Non
 def test_consume_on_the_last_stage_returns_none_without_effects() -> None:
     config = last()
     state = init_relay(config)
-    got = consume_previous_step(config, state, DRAFTS_TARGET)
+    got = consume_previous_step(config, state, update_drafts=True)
     assert (got.state, got.effects, got.result) == (state, (), None)
 
 
@@ -525,13 +545,13 @@ def received_state(
     return state, entry
 
 
-@pytest.mark.parametrize("target", [None, DRAFTS_TARGET])
+@pytest.mark.parametrize("update_drafts", [False, True])
 def test_consume_without_exclusion_waits_and_hands_out_the_original_mapping(
-    target: BufferRef | None,
+    update_drafts: bool,
 ) -> None:
     config = cfg(pp_size=2, spec=1)
     state, entry = received_state(config, batch([3, 1]))
-    got = consume_previous_step(config, state, target)
+    got = consume_previous_step(config, state, update_drafts=update_drafts)
     out = consumed(got.result)
     wait = WaitEvent(step=2, op=Op.CONSUME, stream=Stream.MAIN, event=entry.event)
     assert entry.draft_tokens is not None
@@ -543,11 +563,12 @@ def test_consume_without_exclusion_waits_and_hands_out_the_original_mapping(
         target=DRAFTS_TARGET,
         stream=Stream.MAIN,
     )
-    assert list(got.effects) == ([wait] if target is None else [wait, scatter])
+    assert list(got.effects) == ([wait, scatter] if update_drafts else [wait])
     assert out == ConsumedOutputs(
         received_at_step=0,
         sampled_tokens=entry.sampled_tokens,
-        counts=entry.counts,
+        num_sampled=entry.num_sampled,
+        num_rejected=entry.num_rejected,
         idx_mapping=entry.idx_mapping,
         idx_mapping_np=np.array([3, 1], dtype=np.int32),
     )
@@ -567,7 +588,7 @@ def test_consume_marks_excluded_rows_with_a_host_copy_before_the_wait(
 ) -> None:
     config = cfg(pp_size=2, spec=2)
     state, entry = received_state(config, batch([3, 1, 5], rows), frees=frees)
-    got = consume_previous_step(config, state, DRAFTS_TARGET)
+    got = consume_previous_step(config, state, update_drafts=True)
     out = consumed(got.result)
     copy, wait, scatter = got.effects
     assert isinstance(copy, CopyHostToDevice)
@@ -589,7 +610,11 @@ def test_consume_marks_excluded_rows_with_a_host_copy_before_the_wait(
     )
     assert out.idx_mapping == copy.buffer
     assert out.idx_mapping_np.tolist() == expected
-    assert (out.sampled_tokens, out.counts) == (entry.sampled_tokens, entry.counts)
+    assert (out.sampled_tokens, out.num_sampled, out.num_rejected) == (
+        entry.sampled_tokens,
+        entry.num_sampled,
+        entry.num_rejected,
+    )
     assert got.state.to_release == (*entry.buffers, copy.buffer)
 
 
@@ -602,7 +627,7 @@ def test_consume_with_every_row_excluded_returns_none_and_queues_release(
 ) -> None:
     config = cfg(pp_size=2, spec=1)
     state, entry = received_state(config, batch([3, 1], rows), frees=frees)
-    got = consume_previous_step(config, state, DRAFTS_TARGET)
+    got = consume_previous_step(config, state, update_drafts=True)
     # No copy, no wait: the seed drops the entry; its unwaited event is forgotten.
     forget = ForgetEvent(step=state.step, op=Op.CONSUME, event=entry.event)
     assert (got.effects, got.result) == ((forget,), None)
@@ -613,7 +638,7 @@ def test_consume_with_every_row_excluded_returns_none_and_queues_release(
 def test_consume_without_speculation_never_scatters() -> None:
     config = cfg(pp_size=2, spec=0)
     state, _ = received_state(config, batch([0, 1]), frees=[1])
-    got = consume_previous_step(config, state, DRAFTS_TARGET)
+    got = consume_previous_step(config, state, update_drafts=True)
     assert not any(isinstance(e, ScatterRows) for e in got.effects)
     assert [type(e) for e in got.effects] == [CopyHostToDevice, WaitEvent]
 
@@ -624,7 +649,7 @@ def test_consume_without_speculation_never_scatters() -> None:
 def test_end_step_releases_what_the_step_no_longer_needs() -> None:
     config = cfg(pp_size=2, spec=1)
     state, entry = received_state(config, batch([3, 1]), frees=[1])
-    taken = consume_previous_step(config, state, DRAFTS_TARGET)
+    taken = consume_previous_step(config, state, update_drafts=True)
     copy = taken.effects[0]
     assert isinstance(copy, CopyHostToDevice)
     ended = end_step(config, taken.state)
@@ -656,7 +681,7 @@ def run_three_steps(config: RelayConfig) -> list[tuple[RelayState, tuple[Effect,
     state = init_relay(config)
     trace = []
     for slots in ([0, 1], [1, 2], [2, 0]):
-        taken = consume_previous_step(config, state, DRAFTS_TARGET)
+        taken = consume_previous_step(config, state, update_drafts=True)
         got = receive(config, taken.state, batch(slots))
         ended = end_step(config, free_request_slot(config, got.state, slots[0]).state)
         trace.append((ended.state, taken.effects + got.effects + ended.effects))
@@ -733,7 +758,6 @@ GOOD = {
     "last_rank": 3,
     "max_num_reqs": 8,
     "num_speculative_steps": 0,
-    "ring_depth": 4,
 }
 
 
@@ -745,18 +769,15 @@ def config_with(changes: dict[str, int]) -> RelayConfig:
         last_rank=values["last_rank"],
         max_num_reqs=values["max_num_reqs"],
         num_speculative_steps=values["num_speculative_steps"],
-        ring_depth=values["ring_depth"],
     )
 
 
 @pytest.mark.parametrize(
     "bad",
     [
-        {"pp_size": 0, "stage": 0, "ring_depth": 1},
+        {"pp_size": 0, "stage": 0},
         {"stage": 4},
         {"stage": -1},
-        {"ring_depth": 0},
-        {"ring_depth": 5},
         {"num_speculative_steps": -1},
         {"max_num_reqs": 0},
         {"last_rank": -1},
@@ -769,10 +790,10 @@ def test_relay_config_rejects_impossible_values(bad: dict[str, int]) -> None:
     assert any(str(value) in caught.value.problem for value in bad.values())
 
 
-def test_relay_config_accepts_every_ring_depth_in_range() -> None:
-    for depth in range(1, 5):
-        assert config_with({"ring_depth": depth}).ring_depth == depth
-    assert cfg(pp_size=4, microbatching=False).ring_depth == 1
+def test_ring_depth_is_the_pipeline_unless_xpu_runs_without_microbatching() -> None:
+    assert config_with({}).ring_depth == 4
+    assert cfg(pp_size=4, platform=Platform.XPU).ring_depth == 4
+    assert cfg(pp_size=4, platform=Platform.XPU_NO_MICROBATCH).ring_depth == 1
     assert last(pp_size=4).last_rank == 3
 
 
@@ -809,7 +830,7 @@ def test_every_array_in_states_effects_and_results_is_read_only() -> None:
     steps: list[object] = []
     state = init_relay(config)
     for slots, rows in (([0, 1], [DECODE, PARTIAL]), ([1, 2], [DECODE, DECODE]), ([2], [DECODE])):
-        taken = consume_previous_step(config, state, DRAFTS_TARGET)
+        taken = consume_previous_step(config, state, update_drafts=True)
         got = receive(config, taken.state, batch(slots, rows))
         freed = free_request_slot(config, got.state, 1)
         ended = end_step(config, freed.state)
@@ -839,7 +860,7 @@ def test_slot_freed_at_any_ring_offset_and_reused_at_once_drops_the_stale_token(
     new_request = (0, 6, 6)
     for step in range(offset + 1 + pp_size + 1):
         row = DECODE if step <= offset or step > offset + 1 else new_request
-        taken = consume_previous_step(config, state, DRAFTS_TARGET)
+        taken = consume_previous_step(config, state, update_drafts=True)
         outputs[step] = taken.result
         if taken.result is not None:
             # Drafts are written through the same filtered mapping: B's slot is not touched.
