@@ -321,6 +321,7 @@ def test_receive_posts_a_pending_entry_with_a_generation_snapshot() -> None:
     entry = pending(got.state)
     assert entry.step == 0
     assert entry.idx_mapping_np.tolist() == [5, 0, 2]
+    assert entry.need_sampled is not None
     assert entry.need_sampled.tolist() == [True, False, True]
     assert entry.generations.tolist() == [1, 0, 2]
     assert got.state.generations.tolist() == state.generations.tolist()
@@ -428,10 +429,20 @@ def test_broadcast_sampled_effects_follow_the_seed_order(width: int) -> None:
     assert list(got.effects) == [
         WaitStream(**tag, stream=Stream.RELAY, waits_for=Stream.MAIN),
         PadColumns(
-            **tag, source=INPUTS.sampled_tokens, out=send_tokens, width=3, fill=0, stream=Stream.RELAY
+            **tag,
+            source=INPUTS.sampled_tokens,
+            out=send_tokens,
+            width=3,
+            fill=0,
+            stream=Stream.RELAY,
         ),
         Broadcast(**tag, **wire, buffer=send_tokens, shape=(2, 3), dtype=DType.INT64),
-        StackRows(**tag, sources=(INPUTS.num_sampled, INPUTS.num_rejected), out=send_counts, stream=Stream.RELAY),
+        StackRows(
+            **tag,
+            sources=(INPUTS.num_sampled, INPUTS.num_rejected),
+            out=send_counts,
+            stream=Stream.RELAY,
+        ),
         Broadcast(**tag, **wire, buffer=send_counts, shape=(2, 2), dtype=DType.INT32),
         RecordStream(**tag, buffer=INPUTS.sampled_tokens, stream=Stream.RELAY),
         RecordStream(**tag, buffer=INPUTS.num_sampled, stream=Stream.RELAY),
@@ -451,7 +462,13 @@ def test_broadcast_drafts_gathers_by_slot_and_sends_once() -> None:
     tag = Tag(step=0, op=Op.BROADCAST_DRAFTS)
     assert list(got.effects) == [
         WaitStream(**tag, stream=Stream.RELAY, waits_for=Stream.MAIN),
-        GatherRows(**tag, source=INPUTS.draft_table, index=INPUTS.idx_mapping, out=send, stream=Stream.RELAY),
+        GatherRows(
+            **tag,
+            source=INPUTS.draft_table,
+            index=INPUTS.idx_mapping,
+            out=send,
+            stream=Stream.RELAY,
+        ),
         RecordStream(**tag, buffer=INPUTS.idx_mapping, stream=Stream.RELAY),
         # Beyond the seed: a caller may bind a fresh draft table each step (FF5).
         RecordStream(**tag, buffer=INPUTS.draft_table, stream=Stream.RELAY),
@@ -555,6 +572,7 @@ def test_consume_without_exclusion_waits_and_hands_out_the_original_mapping(
     out = consumed(got.result)
     wait = WaitEvent(step=2, op=Op.CONSUME, stream=Stream.MAIN, event=entry.event)
     assert entry.draft_tokens is not None
+    assert entry.idx_mapping is not None
     scatter = ScatterRows(
         step=2,
         op=Op.CONSUME,
@@ -816,6 +834,7 @@ def test_caller_arrays_are_copied_and_states_never_mutated() -> None:
     computed[:] = 0
     entry = pending(got.state)
     assert entry.idx_mapping_np.tolist() == [2, 0]
+    assert entry.need_sampled is not None
     assert entry.need_sampled.tolist() == [True, True]
     assert start.ring == (None, None)
     to_free = np.array([2])
