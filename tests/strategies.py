@@ -34,7 +34,7 @@ from purepp.effects.vocabulary import (
     Stream,
     WorkRef,
 )
-from purepp.relay import RelayConfig
+from purepp.relay import Platform, RelayConfig
 from purepp.testing import ScheduleConfig
 
 # ---------------------------------------------------------------------------
@@ -116,7 +116,7 @@ def relay_configs(
     max_spec: int = 2,
     non_last: bool = False,
 ) -> RelayConfig:
-    """A rank's relay configuration, with or without microbatching.
+    """A rank's relay configuration, on any platform.
 
     `non_last` picks a stage that receives (pp_size >= 2 then).
     """
@@ -129,7 +129,7 @@ def relay_configs(
         max_num_reqs=draw(st.integers(1, 6)),
         num_speculative_steps=draw(st.integers(0, max_spec)),
         first_rank=draw(st.integers(0, 3)) * pp_size,
-        microbatching=draw(st.booleans()),
+        platform=draw(st.sampled_from(Platform)),
     )
 
 

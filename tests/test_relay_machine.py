@@ -34,6 +34,7 @@ from purepp.effects.vocabulary import (
     EventRef,
     ForgetEvent,
     GatherRows,
+    Pack,
     PadColumns,
     RecordEvent,
     RecordStream,
@@ -42,13 +43,16 @@ from purepp.effects.vocabulary import (
     StackRows,
     Stream,
     TensorSpec,
+    Unpack,
     WaitEvent,
 )
 from purepp.errors import InvalidInputError, WrongRankError
 from purepp.relay import (
     ConsumedOutputs,
+    Platform,
     RelayConfig,
     RelayState,
+    Wire,
     broadcast_drafts,
     broadcast_sampled,
     consume_previous_step,
@@ -61,18 +65,20 @@ from purepp.step import Step
 from tests.relay_reference import ReferenceRelay, arrays_in
 from tests.strategies import ROW_KINDS, batch_facts, batch_schedules, make_batch, relay_configs
 
-DRAFTS_TARGET = BufferRef("runner.draft_tokens")
 
-
-def _made_by(effect: Effect) -> BufferRef | None:
-    """The buffer an effect brings into the environment, if any."""
+def _made_by(effect: Effect) -> tuple[BufferRef, ...]:
+    """The buffers an effect brings into the environment."""
     match effect:
         case Allocate(buffer=made) | CopyHostToDevice(buffer=made):
-            return made
+            return (made,)
         case Alias(out=made) | PadColumns(out=made) | StackRows(out=made) | GatherRows(out=made):
-            return made
+            return (made,)
+        case Pack(out=made):
+            return (made,)
+        case Unpack(sections=sections):
+            return tuple(section.buffer for section in sections)
         case _:
-            return None
+            return ()
 
 
 class RelayRingMachine(RuleBasedStateMachine):
@@ -83,7 +89,7 @@ class RelayRingMachine(RuleBasedStateMachine):
         self.config = RelayConfig.for_stage(pp_size=2, stage=0, max_num_reqs=1)
         self.state = init_relay(self.config)
         self.model = ReferenceRelay(is_last_stage=False, ring_depth=2, max_num_reqs=1)
-        self.drafts_target: BufferRef | None = None
+        self.update_drafts = False
         self.phase = "consume"  # next call the protocol allows: consume, receive or end
         self.reuse: set[int] = set()  # slots freed since the last batch: the next batch has them
         self.live: set[BufferRef] = set()  # buffers the relay made and has not released
@@ -96,9 +102,9 @@ class RelayRingMachine(RuleBasedStateMachine):
         config=st.integers(0, 9).flatmap(
             lambda pick: relay_configs(max_pp_size=1) if pick == 7 else relay_configs(non_last=True)
         ),
-        with_target=st.booleans(),
+        update_drafts=st.booleans(),
     )
-    def start(self, config: RelayConfig, with_target: bool) -> None:
+    def start(self, config: RelayConfig, update_drafts: bool) -> None:
         self.config = config
         self.state = init_relay(config)
         self.model = ReferenceRelay(
@@ -106,7 +112,7 @@ class RelayRingMachine(RuleBasedStateMachine):
             ring_depth=config.ring_depth,
             max_num_reqs=config.max_num_reqs,
         )
-        self.drafts_target = DRAFTS_TARGET if with_target else None
+        self.update_drafts = update_drafts
         self.previous_generations = self.state.generations
 
     def _perform(self, step: Step[RelayState, Any]) -> None:
@@ -114,8 +120,7 @@ class RelayRingMachine(RuleBasedStateMachine):
         assert all(not array.flags.writeable for array in arrays_in(step))
         for effect in step.effects:
             assert effect.step == self.state.step
-            made = _made_by(effect)
-            if made is not None:
+            for made in _made_by(effect):
                 assert made not in self.live, f"{made} made twice"
                 self.live.add(made)
             match effect:
@@ -142,7 +147,7 @@ class RelayRingMachine(RuleBasedStateMachine):
     # every rule first makes the calls it needs to become legal; none is ever disabled.
 
     def _consume(self) -> None:
-        taken = consume_previous_step(self.config, self.state, self.drafts_target)
+        taken = consume_previous_step(self.config, self.state, update_drafts=self.update_drafts)
         expected = self.model.consume()
         entry = self.state.ring[0] if self.state.ring else None
         self._perform(taken)
@@ -164,9 +169,13 @@ class RelayRingMachine(RuleBasedStateMachine):
         assert all(step < out.received_at_step for step in self.consumed_steps)
         self.consumed_steps.append(out.received_at_step)
         assert out.idx_mapping_np.tolist() == expected.idx_mapping.tolist()
-        assert (out.sampled_tokens, out.counts) == (entry.sampled_tokens, entry.counts)
+        assert (out.sampled_tokens, out.num_sampled, out.num_rejected) == (
+            entry.sampled_tokens,
+            entry.num_sampled,
+            entry.num_rejected,
+        )
         kinds = [type(effect) for effect in taken.effects]
-        scatters = entry.draft_tokens is not None and self.drafts_target is not None
+        scatters = entry.draft_tokens is not None and self.update_drafts
         assert kinds == [
             *([CopyHostToDevice] if expected.filtered else []),
             WaitEvent,
@@ -285,6 +294,7 @@ class RelayRingMachine(RuleBasedStateMachine):
             if entry is not None and expected is not None:
                 assert entry.step == expected.step
                 assert entry.idx_mapping_np.tolist() == expected.idx_mapping.tolist()
+                assert entry.need_sampled is not None
                 assert entry.need_sampled.tolist() == expected.need_sampled.tolist()
                 assert entry.generations.tolist() == expected.generations.tolist()
                 assert (entry.draft_tokens is None) == (self.config.num_speculative_steps == 0)
@@ -345,11 +355,15 @@ def run_stage(
     for (facts, frees), width in zip(schedule, widths, strict=True):
         if config.is_last_stage:
             sampled = TensorSpec((facts.num_reqs, width), DType.INT64)
-            state = keep(broadcast_sampled(config, state, facts, sampled))
-            if spec:
-                state = keep(broadcast_drafts(config, state, facts, draft_table))
+            if config.wire is Wire.SEED:
+                state = keep(broadcast_sampled(config, state, facts, sampled))
+                if spec:
+                    state = keep(broadcast_drafts(config, state, facts, draft_table))
+            else:
+                drafts = draft_table if spec else None
+                state = keep(broadcast_sampled(config, state, facts, sampled, drafts))
         else:
-            state = keep(consume_previous_step(config, state, DRAFTS_TARGET))
+            state = keep(consume_previous_step(config, state, update_drafts=True))
             state = keep(receive(config, state, facts))
         state = keep(free_request_slots(config, state, frees))
         state = keep(end_step(config, state))
@@ -389,9 +403,9 @@ def wire_schedule(
 
 
 @settings(max_examples=40, deadline=None)
-@given(worlds(), st.booleans())
+@given(worlds(), st.sampled_from(Platform), st.sampled_from(Wire))
 def test_every_stage_issues_the_same_collectives(
-    world: tuple[RelayConfig, Schedule, list[int]], microbatching: bool
+    world: tuple[RelayConfig, Schedule, list[int]], platform: Platform, wire: Wire
 ) -> None:
     config, schedule, widths = world
     sequences = []
@@ -402,13 +416,16 @@ def test_every_stage_issues_the_same_collectives(
             max_num_reqs=config.max_num_reqs,
             num_speculative_steps=config.num_speculative_steps,
             first_rank=config.last_rank - config.pp_size + 1,
-            microbatching=microbatching,
+            platform=platform,
+            wire=wire,
         )
         sequences.append(wire_schedule(run_stage(stage_config, schedule, widths)))
     sender = sequences[-1]
-    expected_per_step = 3 if config.num_speculative_steps else 2
+    expected_per_step = {Wire.SEED: 3 if config.num_speculative_steps else 2}.get(wire, 1)
     sending_steps = [facts for facts, _ in schedule if need_sampled_mask(facts) is not None]
-    assert len(sender) == expected_per_step * len(sending_steps)
+    # The fixed wire sends every step, whatever the batch.
+    sends = len(schedule) if wire is Wire.FIXED else len(sending_steps)
+    assert len(sender) == expected_per_step * sends
     for receiver in sequences[:-1]:
         assert receiver == sender
     assert all(src == config.last_rank for _, _, _, src, _, _ in sender)
