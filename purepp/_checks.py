@@ -14,18 +14,21 @@ import numpy as np
 
 from purepp.errors import ConfigError, InvalidInputError
 
-__all__ = ["INT32_MAX", "check_bool", "check_int", "check_optional_int"]
+__all__ = ["INT32_MAX", "check_bool", "check_int", "check_optional_int", "store_ints"]
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def _as_int(value: Any) -> int | None:
-    """`value` as an int when it is an integer (numpy integers too), else None."""
+    """`value` as an int when it is an int or a numpy integer, else None.
+
+    Subclasses of int are refused: a bool or an IntEnum member is not a count.
+    """
     if type(value) is int:
         return value
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        return None
-    return operator.index(value)
+    if isinstance(value, np.integer):
+        return operator.index(value)
+    return None
 
 
 def check_int(
@@ -71,3 +74,9 @@ def check_bool(call: str, name: str, value: Any, *, config: bool = False) -> boo
         return bool(value)
     error = ConfigError if config else InvalidInputError
     raise error(call, f"{name}={value!r} is a {type(value).__name__}", f"pass {name} as a bool")
+
+
+def store_ints(instance: object, **values: int | None) -> None:
+    """Store checked ints on a frozen instance, so numpy integers become Python ints."""
+    for name, value in values.items():
+        object.__setattr__(instance, name, value)

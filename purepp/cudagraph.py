@@ -32,7 +32,7 @@ from typing import Any, Protocol, cast
 
 import attrs
 
-from purepp._checks import check_bool, check_int, check_optional_int
+from purepp._checks import check_bool, check_int, check_optional_int, store_ints
 from purepp.errors import ConfigError, InvalidInputError
 
 __all__ = [
@@ -97,15 +97,25 @@ def _check_descriptor(instance: BatchExecutionDescriptor) -> None:
         raise InvalidInputError(
             call, f"cg_mode={instance.cg_mode!r} is not a CUDAGraphMode", "pass CUDAGraphMode.X"
         )
-    check_int(call, "num_tokens", instance.num_tokens, 0)
-    check_optional_int(call, "num_reqs", instance.num_reqs, 0)
-    check_int(call, "num_active_loras", instance.num_active_loras, 0)
-    check_int(call, "num_ubatches", instance.num_ubatches, 1, fix="pass 1 unless microbatched")
-    for name, bound in (
-        ("uniform_token_count", instance.uniform_token_count),
-        ("max_query_len", instance.max_query_len),
-    ):
-        check_optional_int(call, name, bound, 1, fix=f"pass None for no {name}")
+    store_ints(
+        instance,
+        num_tokens=check_int(call, "num_tokens", instance.num_tokens, 0),
+        num_reqs=check_optional_int(call, "num_reqs", instance.num_reqs, 0),
+        num_active_loras=check_int(call, "num_active_loras", instance.num_active_loras, 0),
+        num_ubatches=check_int(
+            call, "num_ubatches", instance.num_ubatches, 1, fix="pass 1 unless microbatched"
+        ),
+        uniform_token_count=check_optional_int(
+            call,
+            "uniform_token_count",
+            instance.uniform_token_count,
+            1,
+            fix="pass None for no uniform_token_count",
+        ),
+        max_query_len=check_optional_int(
+            call, "max_query_len", instance.max_query_len, 1, fix="pass None for no max_query_len"
+        ),
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -174,11 +184,20 @@ def _check_dispatcher(instance: CudaGraphDispatcher) -> None:
             raise ConfigError(
                 call, f"{name}={values!r} is not a sequence", f"pass {name} as a tuple of ints"
             )
-        for value in values:
-            check_int(call, f"{name} entry", value, 0, fix=f"pass {name} as ints", config=True)
-    check_int(call, "max_num_reqs", instance.max_num_reqs, 1, config=True)
-    check_int(call, "num_speculative_tokens", instance.num_speculative_tokens, 0, config=True)
-    check_bool(call, "varlen_decode", instance.varlen_decode, config=True)
+        ints = tuple(
+            check_int(call, f"{name} entry", v, 0, fix=f"pass {name} as ints", config=True)
+            for v in values
+        )
+        object.__setattr__(instance, name, ints)
+    store_ints(
+        instance,
+        max_num_reqs=check_int(call, "max_num_reqs", instance.max_num_reqs, 1, config=True),
+        num_speculative_tokens=check_int(
+            call, "num_speculative_tokens", instance.num_speculative_tokens, 0, config=True
+        ),
+    )
+    varlen = check_bool(call, "varlen_decode", instance.varlen_decode, config=True)
+    object.__setattr__(instance, "varlen_decode", varlen)
     sizes = instance.capture_sizes
     if not sizes and instance.capture_mode is not CaptureMode.NONE:
         raise ConfigError(

@@ -67,7 +67,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from purepp._checks import INT32_MAX, check_bool, check_int, check_optional_int
+from purepp._checks import INT32_MAX, check_bool, check_int, check_optional_int, store_ints
 from purepp.cudagraph import BatchExecutionDescriptor, CUDAGraphMode, Dispatcher
 from purepp.effects.arrays import ARRAY_EQ, IntArray, readonly
 from purepp.effects.vocabulary import (
@@ -155,9 +155,16 @@ class Lane(enum.Enum):
 
 def _check_microbatch(instance: MicrobatchConfig) -> None:
     call = "MicrobatchConfig"
-    check_int(call, "num_ubatches", instance.num_ubatches, 2, 64, config=True)
-    check_int(call, "decode_token_threshold", instance.decode_token_threshold, 0, config=True)
-    check_int(call, "prefill_token_threshold", instance.prefill_token_threshold, 0, config=True)
+    store_ints(
+        instance,
+        num_ubatches=check_int(call, "num_ubatches", instance.num_ubatches, 2, 64, config=True),
+        decode_token_threshold=check_int(
+            call, "decode_token_threshold", instance.decode_token_threshold, 0, config=True
+        ),
+        prefill_token_threshold=check_int(
+            call, "prefill_token_threshold", instance.prefill_token_threshold, 0, config=True
+        ),
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -222,7 +229,7 @@ def _live_set(values: Iterable[int] | None) -> frozenset[int] | None:
 def _check_group(instance: AgreementGroup) -> None:
     call = "AgreementGroup"
     dp_size = check_int(call, "dp_size", instance.dp_size, 1, config=True)
-    check_int(
+    dp_rank = check_int(
         call,
         "dp_rank",
         instance.dp_rank,
@@ -231,6 +238,7 @@ def _check_group(instance: AgreementGroup) -> None:
         fix="pass this rank's index in the DP group",
         config=True,
     )
+    store_ints(instance, dp_size=dp_size, dp_rank=dp_rank)
     if type(instance.layout) is not TableLayout:
         raise ConfigError(
             call, f"layout={instance.layout!r} is not a TableLayout", "pass SEED_TABLE or one"
@@ -252,8 +260,10 @@ def _check_group(instance: AgreementGroup) -> None:
         raise ConfigError(
             call, f"live_ranks={live!r} is not a set of ranks", "pass ranks, e.g. {0, 2}"
         )
-    for rank in live:
-        check_int(call, "live rank", rank, 0, dp_size - 1, config=True)
+    ranks = frozenset(
+        check_int(call, "live rank", rank, 0, dp_size - 1, config=True) for rank in live
+    )
+    object.__setattr__(instance, "live_ranks", ranks)
     if instance.dp_rank not in live:
         raise ConfigError(
             call,
@@ -338,22 +348,23 @@ def _check_sync(instance: DPSyncState) -> None:
             "pass a 1-D integer array of dp_size token counts",
         )
     object.__setattr__(instance, "num_tokens_across_dp", readonly(counts, np.int32))
-    check_optional_int(
+    uniform = check_optional_int(
         call,
         "uniform_token_count",
         instance.uniform_token_count,
         1,
         fix="pass None when the ranks agreed on no uniform decode length",
     )
-    check_bool(call, "eager", instance.eager)
-    check_int(call, "num_reqs", instance.num_reqs, 0)
-    check_optional_int(
+    object.__setattr__(instance, "eager", check_bool(call, "eager", instance.eager))
+    num_reqs = check_int(call, "num_reqs", instance.num_reqs, 0)
+    query_len = check_optional_int(
         call,
         "max_query_len",
         instance.max_query_len,
         1,
         fix="pass None when the ranks agreed on no query-length bound",
     )
+    store_ints(instance, uniform_token_count=uniform, num_reqs=num_reqs, max_query_len=query_len)
 
 
 @attrs.frozen(kw_only=True)
@@ -467,6 +478,16 @@ class RankBatch:
         _check_batch(self)
 
 
+def _check_lanes(instance: AgreementLanes) -> None:
+    call = "AgreementLanes"
+    fix = "pass the step the lane has in flight, or None"
+    store_ints(
+        instance,
+        target=check_optional_int(call, "target", instance.target, 0, fix=fix),
+        drafter=check_optional_int(call, "drafter", instance.drafter, 0, fix=fix),
+    )
+
+
 @attrs.frozen
 class AgreementLanes:
     """Which agreement each lane has in flight: the step, or None when the lane is free.
@@ -477,9 +498,21 @@ class AgreementLanes:
     target: int | None = None  # step of the target agreement in flight
     drafter: int | None = None  # step of the drafter agreement in flight
 
+    def __attrs_post_init__(self) -> None:
+        _check_lanes(self)
+
     def in_flight(self, lane: Lane) -> int | None:
         """The step `lane` has in flight, or None."""
         return self.target if lane is Lane.TARGET else self.drafter
+
+
+def _lanes(target: int | None, drafter: int | None) -> AgreementLanes:
+    """Lanes from steps the library checked (no constructor checks: a start and a finish
+    build one each)."""
+    out = object.__new__(AgreementLanes)
+    object.__setattr__(out, "target", target)
+    object.__setattr__(out, "drafter", drafter)
+    return out
 
 
 _IDLE_LANES = AgreementLanes()
@@ -637,11 +670,7 @@ def start_agreement(
         asynchronous=asynchronous,
     )
     desired = _desired_descriptor(dispatcher, batch)
-    busy = (
-        AgreementLanes(step, lanes.drafter)
-        if lane is Lane.TARGET
-        else AgreementLanes(lanes.target, step)
-    )
+    busy = _lanes(step, lanes.drafter) if lane is Lane.TARGET else _lanes(lanes.target, step)
     decided: DispatchOutcome | None = None
     if group.dp_size == 1:
         decided = DispatchOutcome(descriptor=desired, sync=None)
@@ -826,9 +855,7 @@ def finish_agreement(
     """
     _check_finish(lanes, pending)
     free = (
-        AgreementLanes(None, lanes.drafter)
-        if pending.lane is Lane.TARGET
-        else AgreementLanes(lanes.target, None)
+        _lanes(None, lanes.drafter) if pending.lane is Lane.TARGET else _lanes(lanes.target, None)
     )
     if pending.decided is not None:
         if reduced_table is not None:
