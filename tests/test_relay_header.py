@@ -42,9 +42,11 @@ from purepp.effects.vocabulary import (
     RecordEvent,
     RecordStream,
     Release,
+    Section,
     StackRows,
     Stream,
     TensorSpec,
+    Unpack,
     WaitStream,
 )
 from purepp.errors import (
@@ -55,10 +57,7 @@ from purepp.errors import (
 )
 from purepp.relay import (
     HEADER_SHAPE,
-    IDX_MAPPING,
-    NUM_REJECTED,
-    NUM_SAMPLED,
-    SAMPLED_TOKENS,
+    PendingReceive,
     RelayConfig,
     RelayState,
     broadcast_sampled,
@@ -68,6 +67,8 @@ from purepp.relay import (
     receive,
     relay_header,
 )
+from purepp.runner.settings import RunSettings
+from purepp.runner.worker import add_run_options, settings_from_args
 from purepp.testing import (
     ScheduleConfig,
     make_schedule,
@@ -75,8 +76,6 @@ from purepp.testing import (
     scripted_header,
     simulate_schedule,
 )
-from purepp.runner.settings import RunSettings
-from purepp.runner.worker import add_run_options, settings_from_args
 from tests.strategies import DECODE, PARTIAL, batch_facts, relay_configs
 
 
@@ -89,6 +88,9 @@ class Wire(TypedDict):
     src: int
     comm: Communicator
     stream: Stream
+
+
+INPUTS = RelayConfig.for_stage(pp_size=1, stage=0, max_num_reqs=1).inputs  # default name
 
 
 def stage(
@@ -157,7 +159,6 @@ def test_validate_header_must_be_a_bool() -> None:
             last_rank=1,
             max_num_reqs=4,
             num_speculative_steps=0,
-            ring_depth=2,
             validate_header=1,  # type: ignore[arg-type]
         )
     with pytest.raises(ConfigError, match="validate_header='yes'"):
@@ -178,7 +179,7 @@ def test_receive_posts_and_checks_the_header_before_the_seed_receives(spec: int)
     header = BufferRef("relay.step5.header")
     entry = got.state.ring[-1]
     assert entry is not None
-    sampled, counts = entry.sampled_tokens, entry.counts
+    sampled, counts = entry.sampled_tokens, BufferRef("relay.step5.counts")
     expected: list[Effect] = [
         WaitStream(**tag, stream=Stream.RELAY, waits_for=Stream.MAIN),
         Allocate(**tag, buffer=header, shape=(2,), dtype=DType.INT32, stream=Stream.RELAY),
@@ -201,15 +202,19 @@ def test_receive_posts_and_checks_the_header_before_the_seed_receives(spec: int)
         ]
         received.append(drafts)
     expected.append(RecordEvent(**tag, stream=Stream.RELAY, event=entry.event))
+    rows = (
+        Section(buffer=entry.num_sampled, offset=0, shape=(3,), dtype=DType.INT32),
+        Section(buffer=entry.num_rejected, offset=12, shape=(3,), dtype=DType.INT32),
+    )
+    expected.append(Unpack(**tag, source=counts, stream=Stream.MAIN, sections=rows))
     # The header is used on the relay stream alone: no record_stream for it.
     expected += [RecordStream(**tag, buffer=b, stream=Stream.MAIN) for b in received]
-    expected.append(Alias(**tag, source=IDX_MAPPING, out=entry.idx_mapping))
+    assert entry.idx_mapping is not None
+    expected.append(Alias(**tag, source=INPUTS.idx_mapping, out=entry.idx_mapping))
     assert list(got.effects) == expected
-    # Released at this step's end; the ring entry does not carry it.
-    assert got.state.to_release == (header,)
-    assert header not in entry.buffers
-    ended = end_step(config, got.state)
-    assert ended.effects == (Release(step=5, op=Op.END_STEP, buffer=header),)
+    # The ring entry carries it with the step's other buffers, released at consume.
+    assert got.state.to_release == ()
+    assert header in entry.buffers
 
 
 @pytest.mark.parametrize("width", [1, 3])
@@ -229,13 +234,20 @@ def test_broadcast_sampled_sends_the_header_first(width: int) -> None:
         # The header goes to the device on the relay stream, so it needs no record_stream.
         CopyHostToDevice(**tag, source=[7, 2], buffer=header, stream=Stream.RELAY),
         Broadcast(**tag, **wire, buffer=header, shape=(2,), dtype=DType.INT32),
-        PadColumns(**tag, source=SAMPLED_TOKENS, out=tokens, width=3, fill=0, stream=Stream.RELAY),
+        PadColumns(
+            **tag, source=INPUTS.sampled_tokens, out=tokens, width=3, fill=0, stream=Stream.RELAY
+        ),
         Broadcast(**tag, **wire, buffer=tokens, shape=(2, 3), dtype=DType.INT64),
-        StackRows(**tag, sources=(NUM_SAMPLED, NUM_REJECTED), out=counts, stream=Stream.RELAY),
+        StackRows(
+            **tag,
+            sources=(INPUTS.num_sampled, INPUTS.num_rejected),
+            out=counts,
+            stream=Stream.RELAY,
+        ),
         Broadcast(**tag, **wire, buffer=counts, shape=(2, 2), dtype=DType.INT32),
-        RecordStream(**tag, buffer=SAMPLED_TOKENS, stream=Stream.RELAY),
-        RecordStream(**tag, buffer=NUM_SAMPLED, stream=Stream.RELAY),
-        RecordStream(**tag, buffer=NUM_REJECTED, stream=Stream.RELAY),
+        RecordStream(**tag, buffer=INPUTS.sampled_tokens, stream=Stream.RELAY),
+        RecordStream(**tag, buffer=INPUTS.num_sampled, stream=Stream.RELAY),
+        RecordStream(**tag, buffer=INPUTS.num_rejected, stream=Stream.RELAY),
     ]
     assert got.state.to_release == (header, tokens, counts)
     released = end_step(config, got.state).effects
@@ -250,6 +262,20 @@ def test_no_header_on_a_step_where_nothing_samples() -> None:
     sent = broadcast_sampled(sender, init_relay(sender), facts, TensorSpec((2, 1), DType.INT64))
     posted = receive(receiver, at_step(receiver, 0), facts)
     assert (sent.effects, posted.effects) == ((), ())
+
+
+def without_header(
+    ring: tuple[PendingReceive | None, ...],
+) -> tuple[PendingReceive | None, ...]:
+    """The ring with the header dropped from each entry's buffers (released at consume)."""
+    return tuple(
+        None
+        if entry is None
+        else attrs.evolve(
+            entry, buffers=tuple(b for b in entry.buffers if not b.name.endswith("header"))
+        )
+        for entry in ring
+    )
 
 
 def broadcasts(effects: tuple[Effect, ...]) -> list[tuple[tuple[int, ...], DType, int]]:
@@ -284,7 +310,7 @@ def test_with_the_flag_the_header_is_the_first_broadcast_on_both_sides_and_only_
     for on, off in ((posted_on, posted_off), (sent_on, sent_off)):
         extra = header_effects(on.effects)
         assert [e for e in on.effects if e not in extra] == list(off.effects)
-        assert on.state.ring == off.state.ring
+        assert without_header(on.state.ring) == off.state.ring
         assert [b for b in on.state.to_release if not b.name.endswith("header")] == list(
             off.state.to_release
         )
@@ -371,11 +397,15 @@ def test_the_check_waits_for_its_broadcast_in_the_simulator() -> None:
     checks = [e for e in run.simulation.effects[0] if isinstance(e, CheckHeader)]
     assert checks
     assert all(i.lifetime_violations == () for i in run.simulation.interpreters)
+    # Every header is released: sent ones at their step's end, received ones when their
+    # entry is consumed; only the entries still in the ring (the last 2 steps) hold one.
     for interpreter in run.simulation.interpreters:
-        assert not any(
-            isinstance(ref, BufferRef) and ref.name.endswith("header")
+        held = {
+            ref.name
             for ref in interpreter.bound_refs()
-        )
+            if isinstance(ref, BufferRef) and ref.name.endswith("header")
+        }
+        assert held <= {"relay.step6.header", "relay.step7.header"}
 
 
 # --- scripted runs: the same outputs, a matched wire, logs ---------------------------------------
