@@ -302,9 +302,14 @@ class _World:
             if _is_stopped(rank.process.pid)
             else "it is stuck outside Python, or starved of CPU"
         )
+        where = (
+            f"after step {rank.beat.done} of {rank.beat.total}"
+            if rank.beat.done
+            else "before its first step"
+        )
         return (
-            f"{self.label(rank.rank)} froze after step {rank.beat.done} of {rank.beat.total}: "
-            f"no heartbeat for {quiet_for:.1f} s, {why}; its peers wait for it"
+            f"{self.label(rank.rank)} froze {where}: no heartbeat for {quiet_for:.1f} s, "
+            f"{why}; its peers wait for it"
         )
 
     def _behind(self) -> str | None:
@@ -316,10 +321,12 @@ class _World:
         slowest = min(running, key=lambda rank: (rank.done_steps, rank.rank))
         if slowest.done_steps >= min(rank.done_steps for rank in exited):
             return None
-        return (
-            f"{self.label(slowest.rank)} fell behind at step {max(slowest.done_steps, 0)}: "
-            f"its peers timed out waiting for it"
+        where = (
+            f"after step {slowest.done_steps}"
+            if slowest.done_steps > 0
+            else "before its first step"
         )
+        return f"{self.label(slowest.rank)} fell behind {where}: its peers timed out waiting for it"
 
     def failure(self) -> str | None:
         """A one-line message naming the rank that started a failure, else None."""

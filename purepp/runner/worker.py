@@ -11,29 +11,14 @@ Rank 0 gathers every rank's result (and trace) and writes `DIR/results.json`.
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import attrs
-import torch
-import torch.distributed as dist
-
-from purepp.effects.interpreter import Interpreter
-from purepp.effects.log import LogHeader, Recorder, log_file_name
-from purepp.effects.torch_interpreter import (
-    TorchInterpreter,
-    build_communicators,
-    init_distributed,
-)
 from purepp.errors import PeerFailureError, PureppError
-from purepp.layout import Layout
 from purepp.runner.exit_codes import Exit, RankExit
-from purepp.runner.loop import RankLoop
 from purepp.runner.options import (
     OptionParser,
     UsageError,
@@ -41,18 +26,15 @@ from purepp.runner.options import (
     settings_from_args,
 )
 from purepp.runner.progress import KILL_RANK_ENV, PARENT_PID_ENV, STOP_RANK_ENV, Heartbeat
-from purepp.runner.results import RankResult, write_results
+from purepp.runner.results import RankResult
 from purepp.runner.settings import RunSettings
 from purepp.runner.supervise import summarise_against_reference, without_source_paths
-from purepp.runner.trace import TraceEvent, Tracer
-from purepp.runner.workload import make_workload
 
 __all__ = [
     "KILL_RANK_ENV",
     "STOP_RANK_ENV",
     "add_run_options",
     "main",
-    "run_rank",
     "settings_from_args",
 ]
 
@@ -78,109 +60,15 @@ def _on_step(who: str, heartbeat: Heartbeat | None) -> Callable[[int], None]:
     return step_done
 
 
-def run_rank(
-    settings: RunSettings,
-    *,
-    rank: int,
-    local_rank: int,
-    init_method: str,
-    out_dir: str | None,
-    log_dir: str | None,
-    trace_path: str | None,
-    on_step: Callable[[int], None] = lambda step: None,
-    abort_requests: bool = True,
-    run_id: str | None = None,
-) -> tuple[RankResult, ...] | None:
-    """Run one rank to the end. Rank 0 gathers every rank's result, writes them to
-    `out_dir` (and the merged trace to `trace_path`) and returns them; others return
-    None. `on_step(step)` is called after each step; `run_id` goes in the log header."""
-    timeout = datetime.timedelta(seconds=settings.timeout_s)
-    if settings.backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    init_distributed(
-        backend="nccl" if settings.backend == "nccl" else "gloo",
-        init_method=init_method,
-        rank=rank,
-        world_size=settings.world_size,
-        timeout=timeout,
-    )
-    try:
-        world = Layout(pp=settings.pp, dp=settings.dp)
-        groups = build_communicators(
-            pp_groups=world.pp_groups,
-            dp_groups=world.dp_groups,
-            relay_backend="nccl" if settings.backend == "nccl" else "gloo",
-            timeout=timeout,
-        )
-        results_group = dist.new_group(backend="gloo", timeout=timeout)
-        env = TorchInterpreter(device=device, groups=groups, rank=rank)
-        tracer = Tracer(rank=rank, inner=env) if trace_path else None
-        perform: Interpreter = env if tracer is None else tracer
-        if log_dir is not None:
-            config = json.loads(json.dumps(attrs.asdict(settings)))
-            header = (
-                LogHeader(rank=rank, world=world, config=config)
-                if run_id is None
-                else LogHeader.for_run(rank=rank, world=world, config=config, run_id=run_id)
-            )
-            perform = Recorder(header, perform, path=Path(log_dir) / log_file_name(rank))
-        workload_config = settings.workload
-        if not abort_requests:
-            workload_config = attrs.evolve(workload_config, abort_fraction=0.0)
-        loop = RankLoop(
-            settings,
-            make_workload(workload_config),
-            rank=rank,
-            env=env,
-            perform=perform,
-            activation_group=None,
-            progress=on_step,
-        )
-        result = loop.run()
-        gathered: list[object] | None = [None] * settings.world_size if rank == 0 else None
-        payload = (result, [] if tracer is None else tracer.events)
-        dist.gather_object(payload, gathered, dst=0, group=results_group)
-        if gathered is None:
-            return None
-        return _write_outputs(gathered, out_dir, trace_path)
-    finally:
-        dist.destroy_process_group()
-
-
-def _write_outputs(
-    gathered: list[object], out_dir: str | None, trace_path: str | None
-) -> tuple[RankResult, ...]:
-    results: list[RankResult] = []
-    events: list[TraceEvent] = []
-    for item in gathered:
-        match item:
-            case (RankResult() as result, list() as trace):
-                results.append(result)
-                events.extend(trace)
-            case _:
-                raise RuntimeError(f"gathered {type(item).__name__}, not a rank's result")
-    if out_dir is not None:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        write_results(Path(out_dir) / "results.json", results)
-    if trace_path is not None:
-        path = Path(trace_path)
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text(
-            json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}), encoding="utf-8"
-        )
-        os.replace(partial, path)
-    return tuple(results)
-
-
 _PEER_SIGNS = ("timed out", "connection closed", "connection reset", "broken pipe", "peer")
 
 
 def _is_peer_failure(error: Exception) -> bool:
-    """torch.distributed's way of saying a peer died or went silent (activations, gather)."""
-    if isinstance(error, ConnectionError | dist.DistError):
+    """torch.distributed's way of saying a peer died or went silent (activations, gather):
+    a DistError, a ConnectionError, or a RuntimeError saying so."""
+    if isinstance(error, ConnectionError):
+        return True
+    if any(cls.__name__ == "DistError" for cls in type(error).__mro__):
         return True
     text = str(error).lower()
     return any(sign in text for sign in _PEER_SIGNS)
@@ -224,6 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parent_pid=int(parent) if parent and parent.isdigit() else None,
     ).start()
     try:
+        # torch loads only now, so the launcher sees this rank beat while it does.
+        from purepp.runner.rank_run import run_rank
+
         gathered = run_rank(
             settings,
             rank=rank,
