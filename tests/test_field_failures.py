@@ -18,7 +18,7 @@ import pytest
 
 from purepp import dp
 from purepp.batch import BatchFacts, need_sampled_mask
-from purepp.cudagraph import BatchExecutionDescriptor, CudaGraphDispatcher, CUDAGraphMode
+from purepp.cudagraph import Dispatcher
 from purepp.effects.checker import check_log_dir
 from purepp.effects.log import dump_logs
 from purepp.effects.matching import (
@@ -44,8 +44,8 @@ from purepp.effects.vocabulary import (
     TensorSpec,
 )
 from purepp.errors import HeaderMismatchError
+from purepp.rank import RankSteps
 from purepp.relay import (
-    DRAFT_TOKENS,
     RelayConfig,
     RelayState,
     broadcast_drafts,
@@ -53,8 +53,8 @@ from purepp.relay import (
     end_step,
     receive,
 )
+from purepp.step import Step
 from purepp.testing import (
-    PureSteps,
     Schedule,
     ScheduleConfig,
     ScriptedRun,
@@ -62,17 +62,18 @@ from purepp.testing import (
     record_scripted_logs,
     simulate_schedule,
 )
-from purepp.step import Step
 
 STEPS = 12
+# The scripted world's relays keep the default name, so they read these inputs.
+DRAFT_TABLE = RelayConfig.for_stage(pp_size=1, stage=0, max_num_reqs=1).inputs.draft_table
 
 
 def schedule_of(pp: int, dp_size: int, spec: int, seed: int = 0) -> Schedule:
     return make_schedule(ScheduleConfig(pp=pp, dp=dp_size, spec=spec, steps=STEPS, seed=seed))
 
 
-def only_on(broken_ranks: set[int], broken: PureSteps) -> Callable[[int], PureSteps]:
-    return lambda rank: broken if rank in broken_ranks else PureSteps()
+def only_on(broken_ranks: set[int], broken: RankSteps) -> Callable[[int], RankSteps]:
+    return lambda rank: broken if rank in broken_ranks else RankSteps()
 
 
 def report_of(schedule: Schedule, **options: object) -> Report:
@@ -89,10 +90,14 @@ def first_sampling_step(schedule: Schedule, replica: int = 0) -> int:
 
 
 def unpadded_broadcast_sampled(
-    config: RelayConfig, state: RelayState, batch: BatchFacts, sampled: TensorSpec
+    config: RelayConfig,
+    state: RelayState,
+    batch: BatchFacts,
+    sampled: TensorSpec,
+    drafts: TensorSpec | None = None,
 ) -> Step[RelayState, bool]:
     """The field bug: the sender broadcasts the sampler's own [n, k], not the padded wire."""
-    sent = broadcast_sampled(config, state, batch, sampled)
+    sent = broadcast_sampled(config, state, batch, sampled, drafts)
 
     def unpad(effect: Effect) -> Effect:
         match effect:
@@ -106,7 +111,7 @@ def unpadded_broadcast_sampled(
     return attrs.evolve(sent, effects=tuple(unpad(e) for e in sent.effects))
 
 
-FF1_STEPS = only_on({2}, PureSteps(broadcast_sampled=unpadded_broadcast_sampled))
+FF1_STEPS = only_on({2}, RankSteps(broadcast_sampled=unpadded_broadcast_sampled))
 
 
 def test_ff1_an_unpadded_plain_sampler_broadcast_is_a_shape_mismatch_at_that_op() -> None:
@@ -133,31 +138,24 @@ def test_ff1_an_unpadded_plain_sampler_broadcast_is_a_shape_mismatch_at_that_op(
 
 
 def skip_when_idle(
-    dispatcher: CudaGraphDispatcher | None,
+    lanes: dp.AgreementLanes,
+    group: dp.AgreementGroup,
+    dispatcher: Dispatcher | None,
+    batch: dp.RankBatch,
     *,
     step: int,
-    num_reqs: int,
-    num_tokens: int,
-    uniform_token_count: int | None,
-    dp_size: int,
-    dp_rank: int,
-) -> dp.AgreementStarted | dp.AgreementDecided:
-    """The field bug: a rank with no tokens decides eager alone and never all-reduces."""
-    if num_tokens == 0:
-        idle = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=0, num_reqs=0)
-        return Step(state=None, effects=(), result=dp.DispatchOutcome(descriptor=idle, sync=None))
+    lane: dp.Lane = dp.Lane.TARGET,
+    asynchronous: bool = False,
+) -> dp.AgreementStarted:
+    """The field bug: a rank with no tokens decides alone, as if it had no peers, and
+    never all-reduces."""
+    alone = dp.AgreementGroup(dp_size=1, dp_rank=0) if batch.num_tokens == 0 else group
     return dp.start_agreement(
-        dispatcher,
-        step=step,
-        num_reqs=num_reqs,
-        num_tokens=num_tokens,
-        uniform_token_count=uniform_token_count,
-        dp_size=dp_size,
-        dp_rank=dp_rank,
+        lanes, alone, dispatcher, batch, step=step, lane=lane, asynchronous=asynchronous
     )
 
 
-FF10_STEPS = only_on({0}, PureSteps(start_agreement=skip_when_idle))
+FF10_STEPS = only_on({0}, RankSteps(start_agreement=skip_when_idle))
 
 
 def test_ff10_an_idle_rank_that_skips_the_agreement_is_caught_at_that_step() -> None:
@@ -193,7 +191,7 @@ def drafts_gated_on_decodes(
     return broadcast_drafts(config, state, batch, drafts)
 
 
-FF3_STEPS = only_on({1}, PureSteps(broadcast_drafts=drafts_gated_on_decodes))
+FF3_STEPS = only_on({1}, RankSteps(broadcast_drafts=drafts_gated_on_decodes))
 
 
 def test_ff3_ff4_a_draft_broadcast_gated_differently_is_caught_at_that_op() -> None:
@@ -259,18 +257,22 @@ def header_error(schedule: Schedule, **options: object) -> HeaderMismatchError:
 
 
 def sampled_gated_on_decodes(
-    config: RelayConfig, state: RelayState, batch: BatchFacts, sampled: TensorSpec
+    config: RelayConfig,
+    state: RelayState,
+    batch: BatchFacts,
+    sampled: TensorSpec,
+    drafts: TensorSpec | None = None,
 ) -> Step[RelayState, bool]:
     """The field bug: the sender skips a step's broadcasts unless some row decodes, while
     the receivers post whenever a row samples: they run one broadcast ahead of it."""
     if not bool((batch.num_computed_tokens >= batch.prefill_len).any()):
         return Step(state, (), False)
-    return broadcast_sampled(config, state, batch, sampled)
+    return broadcast_sampled(config, state, batch, sampled, drafts)
 
 
 FF3_SKIP_STEPS = only_on(
     {1},
-    PureSteps(broadcast_sampled=sampled_gated_on_decodes, broadcast_drafts=drafts_gated_on_decodes),
+    RankSteps(broadcast_sampled=sampled_gated_on_decodes, broadcast_drafts=drafts_gated_on_decodes),
 )
 
 
@@ -331,7 +333,7 @@ def end_step_only_after_sending(config: RelayConfig, state: RelayState) -> Step[
     return end_step(config, state)
 
 
-FF3_DRIFT_STEPS = only_on({1}, PureSteps(end_step=end_step_only_after_sending))
+FF3_DRIFT_STEPS = only_on({1}, RankSteps(end_step=end_step_only_after_sending))
 
 
 def test_ff3_header_a_drifting_step_counter_is_invisible_on_the_wire_but_not_to_the_header() -> (
@@ -368,7 +370,7 @@ def receive_sampling_rows_only(
     return receive(config, state, rows)
 
 
-FF4_COUNT_STEPS = only_on({0}, PureSteps(receive=receive_sampling_rows_only))
+FF4_COUNT_STEPS = only_on({0}, RankSteps(receive=receive_sampling_rows_only))
 
 
 def test_ff4_header_a_receiver_counting_other_requests_is_named_at_the_header() -> None:
@@ -411,7 +413,7 @@ def free_without_bump(
 def test_ff8_a_free_without_a_generation_bump_lets_stale_tokens_reach_reused_slots() -> None:
     schedule = schedule_of(pp=3, dp_size=1, spec=2, seed=3)
     correct = simulate_schedule(schedule)
-    broken = simulate_schedule(schedule, steps_for=lambda rank: PureSteps(free=free_without_bump))
+    broken = simulate_schedule(schedule, steps_for=lambda rank: RankSteps(free=free_without_bump))
 
     # The wire schedule does not change (the bug is silent to every collective) ...
     assert broken.simulation.effects[2] == correct.simulation.effects[2]
@@ -448,7 +450,9 @@ def drafts_without_record_stream(
     """The bug: nothing records the per-step draft table on the relay stream."""
     sent = broadcast_drafts(config, state, batch, drafts)
     kept = tuple(
-        e for e in sent.effects if not (isinstance(e, RecordStream) and e.buffer == DRAFT_TOKENS)
+        e
+        for e in sent.effects
+        if not (isinstance(e, RecordStream) and e.buffer == config.inputs.draft_table)
     )
     return attrs.evolve(sent, effects=kept)
 
@@ -456,11 +460,11 @@ def drafts_without_record_stream(
 def test_ff5_a_draft_table_freed_before_the_relay_gathered_it_sends_garbage() -> None:
     schedule = schedule_of(pp=2, dp_size=1, spec=1)
     broken = simulate_schedule(
-        schedule, steps_for=lambda rank: PureSteps(broadcast_drafts=drafts_without_record_stream)
+        schedule, steps_for=lambda rank: RankSteps(broadcast_drafts=drafts_without_record_stream)
     )
     violations = broken.simulation.interpreter(1).lifetime_violations
     assert violations
-    assert {(v.buffer, v.used_on) for v in violations} == {(DRAFT_TOKENS, (Stream.RELAY,))}
+    assert {(v.buffer, v.used_on) for v in violations} == {(DRAFT_TABLE, (Stream.RELAY,))}
     tables = [c.drafts_table for c in broken.outputs[0].consumed]
     assert any(POISON in row for table in tables if table is not None for row in table)
 
@@ -477,7 +481,7 @@ def test_ff5_a_draft_table_freed_before_the_relay_gathered_it_sends_garbage() ->
     ids=["ff1", "ff10", "ff3"],
 )
 def test_ff13_purepp_check_points_at_the_op_the_simulator_stopped_at(
-    tmp_path: Path, world: tuple[int, int, int], steps_for: Callable[[int], PureSteps]
+    tmp_path: Path, world: tuple[int, int, int], steps_for: Callable[[int], RankSteps]
 ) -> None:
     pp, dp_size, spec = world
     schedule = schedule_of(pp=pp, dp_size=dp_size, spec=spec)
