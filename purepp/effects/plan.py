@@ -57,6 +57,7 @@ from purepp.effects.vocabulary import (
     RecordStream,
     Release,
     ScatterRows,
+    Section,
     StackRows,
     Synchronize,
     Unpack,
@@ -92,69 +93,83 @@ class Role:
 def abstract(effects: tuple[Effect, ...]) -> tuple[Structure, list[Name]]:
     """The batch's structure, and its names by position (the bindings of this run)."""
     positions: dict[Name, int] = {}
-    names: list[Name] = []
-
-    def at(name: Name) -> int:
-        position = positions.get(name)
-        if position is None:
-            position = positions[name] = len(names)
-            names.append(name)
-        return position
-
-    return tuple(_part(effect, at) for effect in effects), names
+    structure = tuple([_part(effect, positions) for effect in effects])
+    return structure, list(positions)
 
 
-def _part(effect: Effect, at: Callable[[Name], int]) -> Hashable:
-    """One effect's share of the structure: its kind, static fields and name positions."""
+def _part(effect: Effect, positions: dict[Name, int]) -> Hashable:
+    """One effect's share of the structure: its kind, static fields and name positions.
+
+    Runs on every batch, so it is written for speed: the commonest kinds first, each
+    name's position by one `setdefault` (first use numbers it), enums by their values.
+    """
+    at = positions.setdefault
     match effect:
-        case WaitStream():
-            return (0, effect.stream, effect.waits_for)
-        case RecordEvent():
-            return (1, effect.stream, at(effect.event))
-        case WaitEvent():
-            return (2, effect.stream, at(effect.event))
-        case ForgetEvent():
-            return (3, at(effect.event))
-        case Allocate():
-            return (4, at(effect.buffer), effect.shape, effect.dtype, effect.stream)
-        case CopyHostToDevice():
-            return (5, effect.source.shape, at(effect.buffer), effect.stream)
-        case Broadcast():
-            buffer = at(effect.buffer)
-            return (6, buffer, effect.shape, effect.dtype, effect.src, effect.comm, effect.stream)
-        case CheckHeader():
-            return (7, at(effect.buffer), effect.expected.shape, effect.stream)
-        case AllReduce():
-            work = None if effect.work is None else at(effect.work)
-            return (8, effect.contribution.shape, at(effect.result), effect.comm, work)
-        case WaitWork():
-            return (9, at(effect.work))
-        case RecordStream():
-            return (10, at(effect.buffer), effect.stream)
         case Release():
-            return (11, at(effect.buffer))
+            return (11, at(effect.buffer, len(positions)))
+        case Broadcast():
+            buffer = at(effect.buffer, len(positions))
+            comm, stream = effect.comm._value_, effect.stream._value_
+            return (6, buffer, effect.shape, effect.dtype._value_, effect.src, comm, stream)
+        case Allocate():
+            buffer = at(effect.buffer, len(positions))
+            return (4, buffer, effect.shape, effect.dtype._value_, effect.stream._value_)
+        case RecordStream():
+            return (10, at(effect.buffer, len(positions)), effect.stream._value_)
+        case WaitStream():
+            return (0, effect.stream._value_, effect.waits_for._value_)
+        case RecordEvent():
+            return (1, effect.stream._value_, at(effect.event, len(positions)))
+        case WaitEvent():
+            return (2, effect.stream._value_, at(effect.event, len(positions)))
+        case ForgetEvent():
+            return (3, at(effect.event, len(positions)))
+        case CopyHostToDevice():
+            buffer = at(effect.buffer, len(positions))
+            return (5, effect.source.shape, buffer, effect.stream._value_)
+        case CheckHeader():
+            buffer = at(effect.buffer, len(positions))
+            return (7, buffer, effect.expected.shape, effect.stream._value_)
+        case AllReduce():
+            result = at(effect.result, len(positions))
+            work = None if effect.work is None else at(effect.work, len(positions))
+            return (8, effect.contribution.shape, result, effect.comm._value_, work)
+        case WaitWork():
+            return (9, at(effect.work, len(positions)))
         case Alias():
-            return (12, at(effect.source), at(effect.out))
+            source = at(effect.source, len(positions))
+            return (12, source, at(effect.out, len(positions)))
         case PadColumns():
-            source = at(effect.source)
-            return (13, source, at(effect.out), effect.width, effect.fill, effect.stream)
+            source = at(effect.source, len(positions))
+            out = at(effect.out, len(positions))
+            return (13, source, out, effect.width, effect.fill, effect.stream._value_)
         case StackRows():
-            sources = tuple(at(ref) for ref in effect.sources)
-            return (14, sources, at(effect.out), effect.stream)
+            sources = tuple([at(ref, len(positions)) for ref in effect.sources])
+            return (14, sources, at(effect.out, len(positions)), effect.stream._value_)
         case GatherRows():
-            return (15, at(effect.source), at(effect.index), at(effect.out), effect.stream)
+            source, index = at(effect.source, len(positions)), at(effect.index, len(positions))
+            return (15, source, index, at(effect.out, len(positions)), effect.stream._value_)
         case ScatterRows():
-            return (16, at(effect.source), at(effect.index), at(effect.target), effect.stream)
+            source, index = at(effect.source, len(positions)), at(effect.index, len(positions))
+            return (16, source, index, at(effect.target, len(positions)), effect.stream._value_)
         case Synchronize():
-            return (17, effect.stream)
+            return (17, effect.stream._value_)
         case Pack():
-            sections = tuple((at(s.buffer), s.offset, s.shape, s.dtype) for s in effect.sections)
-            return (18, sections, at(effect.out), effect.nbytes, effect.stream)
+            sections = _sections(effect.sections, positions)
+            out = at(effect.out, len(positions))
+            return (18, sections, out, effect.nbytes, effect.stream._value_)
         case Unpack():
-            sections = tuple((at(s.buffer), s.offset, s.shape, s.dtype) for s in effect.sections)
-            return (19, at(effect.source), sections, effect.stream)
+            source = at(effect.source, len(positions))
+            return (19, source, _sections(effect.sections, positions), effect.stream._value_)
         case _:
             typing.assert_never(effect)
+
+
+def _sections(sections: tuple[Section, ...], positions: dict[Name, int]) -> Hashable:
+    at = positions.setdefault
+    return tuple(
+        [(at(s.buffer, len(positions)), s.offset, s.shape, s.dtype._value_) for s in sections]
+    )
 
 
 def _uses(effect: Effect) -> tuple[tuple[Name, int], ...]:
@@ -219,41 +234,54 @@ class Plan:
         positions: list[int],
         inputs: dict[int, Layout],
         handlers: list[Callable[[Any], None]],
+        *,
+        checked: bool,
     ) -> None:
         self.effects = effects  # the batch it was lowered from (capture reads its layout)
         self.names = names  # that batch's names by position
         self.roles = positions  # each position's role
         self.inputs = inputs  # the layouts of the READ positions
         self.handlers = handlers  # one per effect: the interpreter's, without validation
+        # The guards, by role. Contiguity is guarded only where `checked` checks it.
+        self._reads = [
+            (p, shape, dtype, contiguous if checked else None)
+            for p, (shape, dtype, contiguous) in sorted(inputs.items())
+        ]
+        by_role: dict[int, list[int]] = {role: [] for role in range(6)}
+        for p, role in enumerate(positions):
+            by_role[role].append(p)
+        self._makes = by_role[Role.MAKE]
+        self._events_in, self._events_made = by_role[Role.EVENT_IN], by_role[Role.EVENT_MAKE]
+        self._works_in, self._works_made = by_role[Role.WORK_IN], by_role[Role.WORK_MAKE]
         # CUDA graphs of this plan (purepp.effects.capture), made on its first replay.
         self.capture: Any = None
         self.uncapturable = False  # set once capture found the plan cannot be captured
 
     def admits(self, env: Environment[torch.Tensor, Any, Any], names: list[Name]) -> bool:
         """Whether this run's bindings fit: every position's role, every input's layout."""
-        buffers, events, works, pending = env.buffers, env.events, env.works, env.pending_results
-        inputs = self.inputs
-        for position, role in enumerate(self.roles):
-            name = names[position]
-            if role == Role.READ:
-                tensor = buffers.get(typing.cast(BufferRef, name))
-                if tensor is None or name in pending or layout(tensor) != inputs[position]:
-                    return False
-            elif role == Role.MAKE:
-                if name in buffers or name in pending:
-                    return False
-            elif role == Role.EVENT_IN:
-                if name not in events:
-                    return False
-            elif role == Role.EVENT_MAKE:
-                if name in events:
-                    return False
-            elif role == Role.WORK_IN:
-                if name not in works:
-                    return False
-            elif name in works:
+        buffers, pending = env.buffers, env.pending_results
+        for position, shape, dtype, contiguous in self._reads:
+            tensor = buffers.get(names[position])  # type: ignore[arg-type]
+            if (
+                tensor is None
+                or tensor.shape != shape
+                or tensor.dtype is not dtype
+                or (contiguous is not None and tensor.is_contiguous() is not contiguous)
+            ):
                 return False
-        return True
+        if pending and any(names[p] in pending for p, _, _, _ in self._reads):
+            return False
+        for position in self._makes:
+            name = names[position]
+            if name in buffers or name in pending:
+                return False
+        events, works = env.events, env.works
+        return (
+            all(names[p] in events for p in self._events_in)
+            and not any(names[p] in events for p in self._events_made)
+            and all(names[p] in works for p in self._works_in)
+            and not any(names[p] in works for p in self._works_made)
+        )
 
 
 class Planner:
@@ -292,7 +320,8 @@ class Planner:
         # The first meeting runs eagerly: that validates the batch and raises eager's errors.
         self.eager += 1
         interp.perform_eager(effects)
-        plan = Plan(effects, names, positions, inputs, [interp.handler(e) for e in effects])
+        handlers = [interp.handler(e) for e in effects]
+        plan = Plan(effects, names, positions, inputs, handlers, checked=interp.checked)
         self._plans.setdefault(structure, []).append(plan)
         self.lowered += 1
         return True
