@@ -67,7 +67,9 @@ from purepp.effects.vocabulary import Communicator, DType, TensorSpec
 from purepp.errors import PureppError
 from purepp.relay import (
     RelayConfig,
+    Wire,
     consume_previous_step,
+    default_buckets,
     end_step,
     free_request_slots,
     init_relay,
@@ -130,6 +132,7 @@ class PureppRelay:
         spec: int,
         env: TorchInterpreter | None,
         draft_table: torch.Tensor | None,
+        wire: Wire = Wire.SEED,
     ) -> None:
         # A one-rank world: this rank is the broadcast source whichever stage it plays.
         self.config = RelayConfig(
@@ -138,6 +141,8 @@ class PureppRelay:
             last_rank=0,
             max_num_reqs=slots,
             num_speculative_steps=spec,
+            wire=wire,
+            buckets=default_buckets(slots) if wire is Wire.FIXED else (),
         )
         self.state = init_relay(self.config)
         self.env = env
@@ -193,11 +198,13 @@ class PureppRelay:
             env.bind(inputs.num_sampled, num_sampled)
             env.bind(inputs.num_rejected, num_rejected)
         tokens = TensorSpec(shape=tuple(sampled.shape), dtype=DType.INT64)
-        sent = purepp_broadcast_sampled(self.config, self.state, batch, tokens)
+        packed = self.config.wire is not Wire.SEED
+        drafts = self.drafts_spec if packed and self.config.num_speculative_steps else None
+        sent = purepp_broadcast_sampled(self.config, self.state, batch, tokens, drafts)
         self.state = sent.state
         if env is not None:
             env.perform(sent.effects)
-        if self.config.num_speculative_steps:
+        if self.config.num_speculative_steps and not packed:
             sent = purepp_broadcast_drafts(self.config, self.state, batch, self.drafts_spec)
             self.state = sent.state
             if env is not None:
@@ -221,10 +228,12 @@ class Case:
     role: Role
     rows: int
     spec: int
+    wire: Wire = Wire.SEED  # purepp's wire format (the seed always uses its own)
 
     @property
     def label(self) -> str:
-        return f"{self.role} n={self.rows} spec={self.spec}"
+        wire = "" if self.wire is Wire.SEED else f" wire={self.wire.value}"
+        return f"{self.role} n={self.rows} spec={self.spec}{wire}"
 
 
 @dataclass
@@ -400,11 +409,19 @@ def build_contenders(
         env, _ = make_interpreter(mode, device, groups, pp)
         assert env is not None  # `modes` holds only the available ones
         relay = PureppRelay(
-            role=case.role, pp=pp, slots=slots, spec=spec, env=env, draft_table=table()
+            role=case.role,
+            pp=pp,
+            slots=slots,
+            spec=spec,
+            env=env,
+            draft_table=table(),
+            wire=case.wire,
         )
         runner = purepp_runner(case, inputs, relay)
         contenders.append(Contender(mode, runner, on_device=True, env=env))
-    pure = PureppRelay(role=case.role, pp=pp, slots=slots, spec=spec, env=None, draft_table=None)
+    pure = PureppRelay(
+        role=case.role, pp=pp, slots=slots, spec=spec, env=None, draft_table=None, wire=case.wire
+    )
     contenders.append(Contender("pure", purepp_runner(case, inputs, pure), on_device=False))
     noop = seed(noop_calls(), device, None)
     contenders.append(
@@ -524,6 +541,7 @@ def run_case(
         "role": case.role,
         "n": case.rows,
         "spec": case.spec,
+        "wire": case.wire.value,
         "contenders": figures,
         "ratios": ratios,
         "plan_counters": {
@@ -557,30 +575,30 @@ def markdown(results: list[dict[str, Any]]) -> str:
     ran = {name for r in results for name in r["contenders"]}
     names = [name for name in ORDER if name in ran]
     ratios = [f"{a}/{b}" for a, b in RATIOS if a in ran and b in ran]
-    head = "| role | n | spec | " + " | ".join([*(f"{n} us" for n in names), *ratios]) + " |"
-    lines = [head, "|" + " --- |" * (3 + len(names) + len(ratios))]
+    head = "| role | n | spec | wire | " + " | ".join([*(f"{n} us" for n in names), *ratios]) + " |"
+    lines = [head, "|" + " --- |" * (4 + len(names) + len(ratios))]
     for r in results:
-        cells = [r["role"], str(r["n"]), str(r["spec"])]
+        cells = [r["role"], str(r["n"]), str(r["spec"]), r["wire"]]
         cells += [_cell(r["contenders"], n) for n in names]
         cells += [_ratio(r["ratios"], key) for key in ratios]
         lines.append("| " + " | ".join(cells) + " |")
     if any("syncs" in r for r in results):
         counted = [n for n in names if any(n in r.get("syncs", {}) for r in results)]
         lines += ["", f"Host syncs per {results[0].get('sync_steps')} steady-state steps:", ""]
-        lines += ["| role | n | spec | " + " | ".join(counted) + " |"]
-        lines += ["|" + " --- |" * (3 + len(counted))]
+        lines += ["| role | n | spec | wire | " + " | ".join(counted) + " |"]
+        lines += ["|" + " --- |" * (4 + len(counted))]
         for r in results:
             syncs = r.get("syncs", {})
-            cells = [r["role"], str(r["n"]), str(r["spec"])]
+            cells = [r["role"], str(r["n"]), str(r["spec"]), r["wire"]]
             cells += [str(syncs.get(n, "-")) for n in counted]
             lines.append("| " + " | ".join(cells) + " |")
     planned = [m for m in ("plan", "captured") if any(m in r["plan_counters"] for r in results)]
     if planned:
         lines += ["", "Plan counters over the whole case, " + "/".join(PLAN_COUNTERS) + ":", ""]
-        lines += ["| role | n | spec | " + " | ".join(planned) + " |"]
-        lines += ["|" + " --- |" * (3 + len(planned))]
+        lines += ["| role | n | spec | wire | " + " | ".join(planned) + " |"]
+        lines += ["|" + " --- |" * (4 + len(planned))]
         for r in results:
-            cells = [r["role"], str(r["n"]), str(r["spec"])]
+            cells = [r["role"], str(r["n"]), str(r["spec"]), r["wire"]]
             for mode in planned:
                 counters = r["plan_counters"].get(mode, {})
                 cells.append("/".join(str(counters.get(k, "-")) for k in PLAN_COUNTERS))
@@ -623,6 +641,13 @@ def main() -> None:
         "--roles", nargs="+", default=["receiver", "sender"], choices=["receiver", "sender"]
     )
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (ring depth)")
+    parser.add_argument(
+        "--wire",
+        nargs="+",
+        default=["seed"],
+        choices=[w.value for w in Wire],
+        help="purepp's relay wire formats to measure (the seed baseline always uses its own)",
+    )
     parser.add_argument("--sync-steps", type=int, default=SYNC_STEPS, help="0: no sync count")
     parser.add_argument(
         "--modes",
@@ -646,7 +671,13 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.device == "cuda":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off on lent hosts
-    cases = [Case(role, n, s) for role in args.roles for n in args.rows for s in args.spec]
+    cases = [
+        Case(role, n, s, Wire(wire))
+        for wire in args.wire
+        for role in args.roles
+        for n in args.rows
+        for s in args.spec
+    ]
     results: list[dict[str, Any]] = []
     with one_rank_world(args.device) as (device, groups):
         available: dict[Mode, str] = {}

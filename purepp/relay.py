@@ -92,6 +92,7 @@ __all__ = [
     "broadcast_drafts",
     "broadcast_sampled",
     "consume_previous_step",
+    "default_buckets",
     "end_step",
     "free_request_slot",
     "free_request_slots",
