@@ -59,7 +59,11 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     add("--dp", default=d.dp, help=f"data-parallel replicas, 1 or more (default {d.dp})")
     add("--steps", default=d.steps, help="decode steps, for the reference too (0: until done)")
     add("--requests", default=d.requests, help=f"requests, 1 or more (default {d.requests})")
-    add("--spec", default=d.spec, help=f"speculative steps, 0..{MAX_SPECULATIVE_STEPS}")
+    add(
+        "--spec",
+        default=d.spec,
+        help=f"speculative steps, 0..{MAX_SPECULATIVE_STEPS} (default {d.spec})",
+    )
     add("--seed", default=d.seed, help=f"workload seed, 0 or more (default {d.seed})")
     add("--backend", default=d.backend, help="gloo (CPU) or nccl (one GPU per rank)")
     add(
