@@ -1,18 +1,47 @@
 """The README's embedding example, run and type-checked by tests/test_readme.py."""
 
-from purepp.batch import BatchFacts
-from purepp.relay import RelayConfig, consume_previous_step, end_step, init_relay, receive
+import datetime
+import tempfile
 
-config = RelayConfig.for_stage(pp_size=2, stage=0, max_num_reqs=8, num_speculative_steps=0)
-state = init_relay(config)
-batch = BatchFacts(
-    idx_mapping=[0, 1], num_computed_tokens=[4, 9], num_scheduled_tokens=[1, 1], prefill_len=[4, 4]
+import torch
+import torch.distributed as dist
+
+from purepp import BatchFacts, CaptureMode, CudaGraphDispatcher, RelayConfig
+from purepp.effects.io import TorchIO
+from purepp.effects.torch_interpreter import TorchInterpreter, build_communicators, init_distributed
+from purepp.rank import RankConfig, RankDriver, Sampled, ShapeFacts, init_rank
+
+# A one-rank world on CPU (gloo): the last (and only) stage of a pipeline and a DP group.
+timeout = datetime.timedelta(seconds=30)
+rendezvous = f"file://{tempfile.mkdtemp()}/rendezvous"
+init_distributed(backend="gloo", init_method=rendezvous, rank=0, world_size=1, timeout=timeout)
+groups = build_communicators(
+    pp_groups=[[0]], dp_groups=[[0]], relay_backend="gloo", timeout=timeout
 )
-consumed = consume_previous_step(config, state)  # the entry from pp_size steps ago, or None
-assert consumed.result is None  # nothing was received pp_size steps ago
-posted = receive(config, consumed.state, batch)  # post this step's receives into the ring
-assert posted.result  # every row of the batch needs its sampled token
-for effect in posted.effects:  # hand these to an interpreter
-    print(effect)
-state = posted.state
-state = end_step(config, state).state
+interpreter = TorchInterpreter(device=torch.device("cpu"), groups=groups, rank=0)
+
+config = RankConfig(
+    relay=RelayConfig.for_stage(pp_size=1, stage=0, max_num_reqs=8),
+    dispatcher=CudaGraphDispatcher(
+        capture_sizes=(1, 2, 4, 8), capture_mode=CaptureMode.FULL, max_num_reqs=8
+    ),
+)
+driver = RankDriver(config, interpreter, TorchIO(interpreter))
+state = init_rank(config)
+for step in range(3):
+    begun = driver.begin(state)  # begun.consumed: the tokens relayed ring_depth steps ago
+    batch = BatchFacts(
+        idx_mapping=[0, 1],
+        num_computed_tokens=[4 + step, 9 + step],
+        num_scheduled_tokens=[1, 1],
+        prefill_len=[4, 4],
+    )
+    agreed = driver.agree(begun, batch, ShapeFacts(num_tokens=2, uniform_token_count=1))
+    print(f"step {step}: run the forward as {agreed.descriptor}")
+    sampled = Sampled(  # the forward's sampled tokens, relayed to the other stages
+        tokens=torch.tensor([[100 + step], [200 + step]]),
+        num_sampled=torch.ones(2, dtype=torch.int32),
+        num_rejected=torch.zeros(2, dtype=torch.int32),
+    )
+    state = driver.finish(agreed, sampled)
+dist.destroy_process_group()

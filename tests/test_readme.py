@@ -1,4 +1,4 @@
-"""The README's embedding example runs as written (mypy checks tests/readme_example.py)."""
+"""The README's embedding example runs as written and type-checks under mypy --strict."""
 
 from __future__ import annotations
 
@@ -27,7 +27,26 @@ def test_readme_example_runs() -> None:
         [sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stderr
-    assert "Broadcast" in result.stdout
+    # Three whole rank steps: agreed, forward, relayed, ended.
+    assert [line.split(":")[0] for line in result.stdout.splitlines()] == [
+        "step 0",
+        "step 1",
+        "step 2",
+    ]
+    assert "cg_mode=<CUDAGraphMode.FULL: 2>, num_tokens=2, num_reqs=2" in result.stdout
+
+
+def test_readme_example_type_checks() -> None:
+    # The project's strict configuration (pyproject.toml) applies to the example as written.
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", str(EXAMPLE)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_every_readme_python_block_runs(tmp_path: Path) -> None:
