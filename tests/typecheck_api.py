@@ -11,7 +11,7 @@ from typing import assert_type
 import numpy as np
 
 import purepp
-from purepp import dp
+from purepp import dp, rank
 from purepp.effects import BufferRef, DType, Effect, TensorSpec
 from purepp.effects.arrays import BoolArray, IntArray
 from purepp.relay import relay_header
@@ -20,7 +20,7 @@ from purepp.relay import relay_header
 def _relay_steps(config: purepp.RelayConfig, batch: purepp.BatchFacts) -> None:
     state = purepp.init_relay(config)
     assert_type(state, purepp.RelayState)
-    consumed = purepp.consume_previous_step(config, state, BufferRef("drafts"))
+    consumed = purepp.consume_previous_step(config, state, update_drafts=True)
     assert_type(consumed, purepp.Step[purepp.RelayState, purepp.ConsumedOutputs | None])
     assert_type(consumed.effects, tuple[Effect, ...])
     received = purepp.receive(config, consumed.state, batch)
@@ -53,3 +53,38 @@ def _agreement(dispatcher: purepp.CudaGraphDispatcher) -> None:
     assert_type(decided.result.descriptor, purepp.BatchExecutionDescriptor)
     assert_type(decided.result.sync, purepp.DPSyncState | None)
     assert_type(decided.result.descriptor.cg_mode, purepp.CUDAGraphMode)
+
+
+def _rank_step_phases(
+    *,
+    config: rank.RankConfig,
+    state: rank.RankState,
+    begun: rank.Begun,
+    agreed: rank.Agreed,
+    batch: purepp.BatchFacts,
+    io: rank.StepIO[object],
+) -> None:
+    # Each phase takes only what the one before it returned, so the order is typed.
+    shape = rank.ShapeFacts(num_tokens=2)
+    assert_type(rank.begin(config, state), rank.StepPhase[rank.Begun])
+    assert_type(rank.agree(config, begun, batch, shape, io), rank.StepPhase[rank.Agreed])
+    assert_type(rank.finish(config, agreed, io), rank.StepPhase[rank.RankState])
+    # Out of order: each is a type error (strict mypy reports an ignore it does not need).
+    rank.agree(config, state, batch, shape, io)  # type: ignore[arg-type]
+    rank.agree(config, agreed, batch, shape, io)  # type: ignore[arg-type]
+    rank.finish(config, begun, io)  # type: ignore[arg-type]
+    rank.begin(config, agreed)  # type: ignore[arg-type]
+
+
+def _driver(
+    driver: rank.RankDriver[object], state: rank.RankState, batch: purepp.BatchFacts
+) -> None:
+    begun = driver.begin(state)
+    assert_type(begun, rank.Begun)
+    assert_type(begun.consumed, purepp.ConsumedOutputs | None)
+    agreed = driver.agree(begun, batch, rank.ShapeFacts(num_tokens=2), freed=[1])
+    assert_type(agreed.descriptor, purepp.BatchExecutionDescriptor)
+    assert_type(driver.finish(agreed), rank.RankState)
+    driver.finish(begun)  # type: ignore[arg-type]
+    driver.agree(agreed, batch, rank.ShapeFacts(num_tokens=2))  # type: ignore[arg-type]
+    driver.begin(agreed)  # type: ignore[arg-type]
