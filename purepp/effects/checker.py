@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Final, TextIO
 
@@ -40,7 +39,7 @@ from purepp.effects.matching import (
     find_wait_cycle,
 )
 from purepp.effects.numpy_interpreter import describe_effect
-from purepp.effects.scheduler import CollectiveHub, StreamLanes
+from purepp.effects.scheduler import LOCAL_KINDS, CollectiveHub, StreamLanes
 from purepp.effects.vocabulary import AllReduce, Broadcast, Effect
 from purepp.errors import ConfigError, LogFormatError
 
@@ -120,15 +119,16 @@ def check_log_dir(directory: str | os.PathLike[str], out: TextIO | None = None) 
 
 
 class _RankReplay:
-    """One rank: its log read lazily, one effect of lookahead, and its streams."""
+    """One rank: its log read lazily, one record of lookahead, and its streams."""
 
     def __init__(self, stream: LogStream, lanes: StreamLanes) -> None:
         self.stream = stream
         self.header: LogHeader = stream.header
         self.rank = stream.header.rank
         self.lanes = lanes
-        self._records: Iterator[Effect] = (record.effect for record in stream)
-        self.next: Effect | None = None  # the next effect to issue, once read
+        # Records that never wait come as their step and kind only (see LOCAL_KINDS).
+        self._items = stream.scan(LOCAL_KINDS)
+        self.next: tuple[int, str, Effect | None] | None = None  # the next record, once read
         self.ended = False  # the log has no more records
         self.records = 0  # records issued
         self.collectives = 0  # collectives issued
@@ -136,28 +136,30 @@ class _RankReplay:
         self.last_step: int | None = None  # step of the last record issued
         self.allowed_step = -1  # steps up to this one may be issued without re-checking peers
 
-    def peek(self) -> Effect | None:
+    def peek(self) -> tuple[int, str, Effect | None] | None:
         if self.next is None and not self.ended:
-            self.next = next(self._records, None)
-            self.ended = self.next is None
+            item = next(self._items, None)
+            if item is None:
+                self.ended = True
+            else:
+                self.next = item
         return self.next
 
-    def take(self, effect: Effect) -> Effect:
-        """Consume `effect`, the one `peek` returned."""
+    def take(self, step: int, effect: Effect | None) -> None:
+        """Consume the record `peek` returned."""
         self.next = None
         self.records += 1
         if isinstance(effect, Broadcast | AllReduce):
             self.collectives += 1
-        if effect.step != self.last_step:
+        if step != self.last_step:
             self.steps += 1
-            self.last_step = effect.step
-        return effect
+            self.last_step = step
 
     def progress(self) -> int | None:
-        """Steps below this one are fully issued; None when the log has ended unread-to."""
-        effect = self.peek()
-        if effect is not None:
-            return effect.step
+        """Steps below this one are fully issued; None when the log ended with no record."""
+        item = self.peek()
+        if item is not None:
+            return item[0]
         return None if self.last_step is None else self.last_step + 1
 
 
@@ -212,15 +214,18 @@ class _Check:
         progressed = False
         lanes = rank.lanes
         while not lanes.host_blocked():
-            effect = rank.peek()
-            if effect is None:
+            item = rank.peek()
+            if item is None:
                 return progressed
-            if effect.step > rank.allowed_step:
-                if self._held_back_by(rank, effect.step):
+            step, _, effect = item
+            if step > rank.allowed_step:
+                if self._held_back_by(rank, step):
                     return progressed
-                rank.allowed_step = effect.step
-            lanes.issue(rank.take(effect))
-            self._pump()
+                rank.allowed_step = step
+            rank.take(step, effect)
+            if effect is not None:
+                lanes.issue(effect)
+                self._pump()
             progressed = True
         return progressed
 
@@ -326,8 +331,8 @@ class _Check:
     def _at_step(self, rank: _RankReplay) -> int | None:
         if rank.lanes.host_blocked():
             return rank.lanes.at_step()
-        effect = rank.peek()
-        return None if effect is None else effect.step
+        item = rank.peek()
+        return None if item is None else item[0]
 
     def _missing_rank(self, pending: tuple[AwaitedCollective, ...]) -> MismatchReport | None:
         """The earliest op some member will never post: its log ended before it."""
@@ -369,14 +374,16 @@ class _Check:
             upcoming = rank.peek()
             if rank.lanes.host_blocked() or upcoming is None:
                 continue
-            held_back_by = self._held_back_by(rank, upcoming.step)
+            step, kind, next_effect = upcoming
+            held_back_by = self._held_back_by(rank, step)
             waiters.append(
                 Waiter(
                     rank=rank.rank,
                     stream=None,
-                    step=upcoming.step,
-                    op=upcoming.op,
-                    waiting_at=f"{describe_effect(upcoming)}, not yet issued"
+                    step=step,
+                    op=None if next_effect is None else next_effect.op,
+                    waiting_at=f"{kind if next_effect is None else describe_effect(next_effect)},"
+                    " not yet issued"
                     f" (max_steps_in_flight={self._in_flight})",
                     awaited=None,
                     held_back_by=held_back_by,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
@@ -28,7 +29,13 @@ from typing import BinaryIO
 import attrs
 import cattrs
 
-from purepp.effects._converter import CONVERTER, canonical_json, describe_structure_error
+from purepp.effects._converter import (
+    CONVERTER,
+    build_checked_effect,
+    canonical_json,
+    describe_structure_error,
+    kind_of,
+)
 from purepp.effects.logmodel import (
     SCHEMA,
     EffectLog,
@@ -38,6 +45,7 @@ from purepp.effects.logmodel import (
     config_digest,
     numbering_problem,
 )
+from purepp.effects.vocabulary import Effect
 from purepp.errors import InvalidInputError, LogFormatError, PureppError
 from purepp.layout import Layout
 
@@ -161,6 +169,19 @@ def _no_constant(name: str) -> object:
 
 _STRUCTURE_ERRORS = (cattrs.BaseValidationError, PureppError, ValueError, TypeError, KeyError)
 
+# A record as the writer spells it, up to the effect's own fields.
+_PREFIX = re.compile(
+    rb'\{"seq": (0|[1-9][0-9]*), "comm_seq": (null|0|[1-9][0-9]*), "effect": '
+    rb'\{"kind": "([a-z_]+)", "step": (0|[1-9][0-9]*), '
+)
+# Digits 1-9 as "1" (0 stays), so two lines differing only in numbers (and in the
+# digits of names) of the same lengths and zeros share one key. A number with a
+# leading zero ("007", not JSON) keys as "001", which no valid line has in that place.
+_BLANK_DIGITS = bytes.maketrans(b"23456789", b"11111111")
+# Keys of lines already validated in full; bounded, as a cache.
+_SEEN_TEMPLATES: set[bytes] = set()
+_MAX_TEMPLATES = 4096
+
 
 class LogStream:
     """One rank's log read a record at a time: the header at once, records on demand.
@@ -182,7 +203,6 @@ class LogStream:
         self._allow_cut_end = allow_cut_end
         self.cut_line: int | None = None  # line number of a cut last line, once reached
         self.lines_read = 0  # lines consumed so far, the header included
-        self.bytes_read = 0  # bytes consumed so far
         try:
             self._file: BinaryIO | None = self.path.open("rb")
         except OSError as exc:
@@ -208,6 +228,56 @@ class LogStream:
         finally:
             self.close()
 
+    def scan(self, local_kinds: frozenset[str]) -> Iterator[tuple[int, str, Effect | None]]:
+        """(step, kind, effect) per record, as strict as iterating; `local_kinds` give None.
+
+        For the checker, which reads long logs and needs the records of `local_kinds`
+        only for their steps. A line that differs from a line already validated in
+        full only in its digits (the same keys, kinds and enum values; numbers and
+        names of the same lengths) is not validated again: it is built directly, or,
+        for `local_kinds`, not built at all. Its numbering is still checked, and any
+        other line is read in full, so a bad log fails as it does when iterated.
+        """
+        numbering = Numbering()
+        try:
+            while (line := self._next_line()) is not None:
+                prefix = _PREFIX.match(line)
+                key = None if prefix is None else _template_key(prefix, line)
+                if key is not None and prefix is not None and key in _SEEN_TEMPLATES:
+                    yield self._from_template(prefix, line, numbering, local_kinds)
+                    continue
+                effect = self._record(line, numbering).effect
+                if key is not None:
+                    if len(_SEEN_TEMPLATES) >= _MAX_TEMPLATES:
+                        _SEEN_TEMPLATES.clear()
+                    _SEEN_TEMPLATES.add(key)
+                kind = kind_of(effect)
+                yield effect.step, kind, None if kind in local_kinds else effect
+        finally:
+            self.close()
+
+    def _from_template(
+        self,
+        prefix: re.Match[bytes],
+        line: bytes,
+        numbering: Numbering,
+        local_kinds: frozenset[str],
+    ) -> tuple[int, str, Effect | None]:
+        """Read `line`, whose template was validated in full, without validating it again."""
+        seq, kind, step = int(prefix[1]), prefix[3].decode("ascii"), int(prefix[4])
+        if kind in local_kinds and prefix[2] == b"null" and seq == numbering.next_seq:
+            numbering.skip_local()
+            return step, kind, None
+        value = json.loads(line)
+        effect = build_checked_effect(kind, value["effect"])
+        if effect is None:  # a kind holding arrays is never keyed; read it in full
+            return step, kind, self._record(line, numbering).effect
+        expected = numbering.number(effect)
+        if expected.seq != seq or expected.comm_seq != value["comm_seq"]:
+            record = LogRecord(seq=seq, comm_seq=value["comm_seq"], effect=effect)
+            raise self._fail(self.lines_read, str(numbering_problem(record, expected)))
+        return step, kind, None if kind in local_kinds else effect
+
     # -- lines --
 
     def _fail(self, line: int | None, problem: str, fix: str = _REWRITE) -> LogFormatError:
@@ -222,7 +292,6 @@ class LogStream:
         if not data:
             return None
         self.lines_read += 1
-        self.bytes_read += len(data)
         if data.endswith(b"\n"):
             return data[:-1]
         # Every line ends in a newline when written, so text after the last one is a
@@ -311,6 +380,12 @@ class LogStream:
         if problem is not None:
             raise self._fail(self.lines_read, problem)
         return record
+
+
+def _template_key(prefix: re.Match[bytes], line: bytes) -> bytes:
+    """The line with its digits blanked (the seq, comm_seq and step groups apart)."""
+    null = b"n" if prefix[2] == b"null" else b"i"
+    return prefix[3] + null + line[prefix.end() :].translate(_BLANK_DIGITS)
 
 
 def load_log(path: str | os.PathLike[str], *, expect_world: Layout | None = None) -> EffectLog:

@@ -97,9 +97,7 @@ class LogHeader:
             )
 
     @classmethod
-    def for_run(
-        cls, *, rank: int, world: Layout, config: JSONObject, run_id: str
-    ) -> LogHeader:
+    def for_run(cls, *, rank: int, world: Layout, config: JSONObject, run_id: str) -> LogHeader:
         """A header carrying `run_id` and the digest of `config` (what a run writes)."""
         return cls(
             rank=rank,
@@ -143,6 +141,15 @@ class Numbering:
 
     def copy(self) -> Numbering:
         return Numbering(self._next_seq, self._next_comm_seq)
+
+    @property
+    def next_seq(self) -> int:
+        """The `seq` the next record gets."""
+        return self._next_seq
+
+    def skip_local(self) -> None:
+        """Count one record that is not a collective, without building it."""
+        self._next_seq += 1
 
     def number(self, effect: Effect) -> LogRecord:
         comm_seq: int | None = None

@@ -23,9 +23,11 @@ from typing import Final, TypeAlias, assert_never
 import attrs
 import numpy as np
 
+from purepp.effects._converter import EFFECT_KINDS
 from purepp.effects.matching import (
     AwaitedCollective,
     CollectiveReportError,
+    CollectiveSignature,
     CommInstance,
     WaitEdge,
     check_posts,
@@ -39,6 +41,7 @@ from purepp.effects.vocabulary import (
     AllReduce,
     Broadcast,
     CheckHeader,
+    Communicator,
     CopyHostToDevice,
     Effect,
     EventRef,
@@ -61,7 +64,7 @@ from purepp.effects.vocabulary import (
 )
 from purepp.layout import Layout
 
-__all__ = ["CollectiveHub", "StreamLanes"]
+__all__ = ["LOCAL_KINDS", "CollectiveHub", "StreamLanes"]
 
 
 class _Instance:
@@ -71,6 +74,7 @@ class _Instance:
         self.instance = instance
         self.next_seq: dict[int, int] = dict.fromkeys(instance.group, 0)  # per member
         self.posts: dict[int, dict[int, PostedCollective]] = {}  # seq -> member -> post
+        self.signatures: dict[int, dict[int, CollectiveSignature]] = {}  # the same, declared
         self.completed = 0  # ops completed, in order
 
     def awaited(self, seq: int) -> AwaitedCollective:
@@ -101,20 +105,26 @@ class CollectiveHub:
         self._compare_steps = compare_steps
         self._move_data = move_data
         self._instances: dict[CommInstance, _Instance] = {}
+        self._by_member: dict[tuple[int, Communicator], _Instance] = {}
         self._where: dict[PostedCollective, tuple[_Instance, int]] = {}
         self.completed_ranks: set[int] = set()
 
     def post(self, posted: PostedCollective, /) -> None:
-        key = comm_instance(self._world, posted.rank, posted.effect.comm)
-        state = self._instances.get(key)
+        state = self._by_member.get((posted.rank, posted.effect.comm))
         if state is None:
-            state = self._instances[key] = _Instance(key)
+            key = comm_instance(self._world, posted.rank, posted.effect.comm)
+            state = self._instances.get(key)
+            if state is None:
+                state = self._instances[key] = _Instance(key)
+            self._by_member[posted.rank, posted.effect.comm] = state
+        key = state.instance
         seq = state.next_seq[posted.rank]
         state.next_seq[posted.rank] = seq + 1
         posts = state.posts.setdefault(seq, {})
         posts[posted.rank] = posted
         self._where[posted] = (state, seq)
-        signatures = {rank: signature_of(p.effect) for rank, p in posts.items()}
+        signatures = state.signatures.setdefault(seq, {})
+        signatures[posted.rank] = signature_of(posted.effect)
         if self._compare_steps:
             report = check_posts(key, seq, signatures)
         else:
@@ -173,6 +183,7 @@ class CollectiveHub:
                 del self._where[p]
             self.completed_ranks.update(posts)
             del state.posts[state.completed]
+            del state.signatures[state.completed]
             state.completed += 1
 
 
@@ -192,6 +203,25 @@ def _move_data(posts: dict[int, PostedCollective]) -> None:
 
 
 # -- one rank's streams, without data ---------------------------------------------
+
+_LOCAL: Final = (
+    Allocate,
+    CopyHostToDevice,
+    CheckHeader,
+    PadColumns,
+    StackRows,
+    GatherRows,
+    ScatterRows,
+    Pack,
+    Unpack,
+    RecordStream,
+    Release,
+    Alias,
+)
+# The kinds of effects that never wait. A replay may leave them out: a stream's wait is
+# met once every waiting item queued before it has run, and these run at once at the
+# head, so no wait's outcome changes (the checker skips building them).
+LOCAL_KINDS: Final = frozenset(kind for kind, cls in EFFECT_KINDS.items() if cls in _LOCAL)
 
 _NO_DATA: Final = np.empty(0, dtype=np.int64)  # the array a data-free post carries
 
