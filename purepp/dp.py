@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Sequence
-from typing import Any, TypeAlias, TypeVar, cast
+from typing import Any, TypeAlias, cast
 
 import attrs
 import numpy as np
@@ -125,18 +125,8 @@ ROW_NUM_REQS = 4  # requests this rank scheduled (seed layout; see TableLayout.r
 ROW_ALLOW_UBATCHING = 4  # newest layout only: 1 when this rank votes to microbatch
 TABLE_ROWS = 5  # rows of the seed's layout
 
-T = TypeVar("T")
-
-
-def _trusted(cls: type[T], **fields: object) -> T:
-    """An instance of a frozen attrs class from values the library built and checked.
-
-    Skips the public constructor's checks, which exist for caller input.
-    """
-    out = object.__new__(cls)
-    for name, value in fields.items():
-        object.__setattr__(out, name, value)
-    return out
+_new = object.__new__
+_set = object.__setattr__
 
 
 class LaneBusyError(PureppError):
@@ -535,8 +525,7 @@ class PendingAgreement:
     # ^ this rank's table (others' columns zero); None when decided
     own: tuple[int, ...]  # this rank's column, to recognise its table
     # Known at the start, so the finish (on the critical path when the start overlaps
-    # the forward) only decides:
-    eager: BatchExecutionDescriptor  # what this rank runs if the ranks agree on eager
+    # the forward) builds only the decision:
     release: tuple[Effect, ...]  # the finish's effects: release the table's binding
 
 
@@ -689,14 +678,15 @@ def start_agreement(
             work=None,
             contribution=None,
             own=(),
-            eager=desired,
             release=(),
         )
         return Step(state=busy, effects=(), result=pending)
     own = _column(group, batch, desired)
-    table = np.zeros((group.layout.rows, group.dp_size), dtype=np.int32)
+    shape = (group.layout.rows, group.dp_size)
+    table = np.zeros(shape, dtype=np.int32)
     table[:, group.dp_rank] = own
-    contribution: IntArray = readonly(table, np.int32)
+    # A view of bytes: immutable all the way down, so the AllReduce takes it as it is.
+    contribution: IntArray = np.frombuffer(table.tobytes(), dtype=np.int32).reshape(shape)
     prefix = f"dp.{lane.value}.step{step}"
     table_ref = BufferRef(f"{prefix}.table")
     work = WorkRef(f"{prefix}.work") if asynchronous else None
@@ -712,7 +702,6 @@ def start_agreement(
         work=work,
         contribution=contribution,
         own=own,
-        eager=_eager_for(batch, desired),
         release=(Release(step=step, op=Op.AGREE, buffer=table_ref),),
     )
     all_reduce = AllReduce(
@@ -767,16 +756,16 @@ def _desired_descriptor(
 def _eager(
     num_tokens: int, num_reqs: int, num_active_loras: int, num_ubatches: int = 1
 ) -> BatchExecutionDescriptor:
-    return _trusted(
-        BatchExecutionDescriptor,
-        cg_mode=CUDAGraphMode.NONE,
-        num_tokens=num_tokens,
-        num_reqs=num_reqs,
-        uniform_token_count=None,
-        max_query_len=None,
-        num_active_loras=num_active_loras,
-        num_ubatches=num_ubatches,
-    )
+    """An eager descriptor from counts the library checked (no constructor checks)."""
+    out = _new(BatchExecutionDescriptor)
+    _set(out, "cg_mode", CUDAGraphMode.NONE)
+    _set(out, "num_tokens", num_tokens)
+    _set(out, "num_reqs", num_reqs)
+    _set(out, "uniform_token_count", None)
+    _set(out, "max_query_len", None)
+    _set(out, "num_active_loras", num_active_loras)
+    _set(out, "num_ubatches", num_ubatches)
+    return out
 
 
 def _eager_for(batch: RankBatch, desired: BatchExecutionDescriptor) -> BatchExecutionDescriptor:
@@ -922,17 +911,22 @@ def _check_table(
             "pass the all-reduced table bound to the pending agreement's `table` (tensor.numpy())",
         )
     rank = group.dp_rank
-    if tuple(reduced_table[:, rank].tolist()) != pending.own:
+    small = len(group.live) <= _SMALL_GROUP
+    rows: list[list[int]] = (
+        reduced_table.tolist() if small else reduced_table[:, rank : rank + 1].tolist()
+    )
+    column = tuple([row[rank if small else 0] for row in rows])
+    if column != pending.own:
         raise _bad_table(
-            f"column {rank} is {reduced_table[:, rank].tolist()} but this rank contributed "
-            f"{list(pending.own)}",
+            f"column {rank} is {list(column)} but this rank contributed {list(pending.own)}",
             "pass the table reduced from this agreement's contribution (same lane and step)",
         )
     live_table = reduced_table if group.all_live else reduced_table[:, group.live]
-    if len(group.live) <= _SMALL_GROUP:
-        rows = live_table.tolist()
-        lows = [min(row) for row in rows]
-        highs = [max(row) for row in rows]
+    if small:
+        if not group.all_live:
+            rows = live_table.tolist()
+        lows = list(map(min, rows))
+        highs = list(map(max, rows))
     else:
         lows = live_table.min(axis=1).tolist()
         highs = live_table.max(axis=1).tolist()
@@ -1000,7 +994,7 @@ def _decide(
     if lows[ROW_CG_MODE] == CUDAGraphMode.NONE:
         counts = _own_counts(group, live_table[ROW_NUM_TOKENS])
         sync = _sync(counts, agreed_uniform, True, most_reqs, agreed_query_len)
-        return DispatchOutcome(descriptor=pending.eager, sync=sync)
+        return DispatchOutcome(descriptor=_eager_for(pending.batch, pending.desired), sync=sync)
     dispatcher = pending.dispatcher
     if dispatcher is None:  # unreachable: this rank contributed NONE, so the min is NONE
         raise _bad_table("no dispatcher for an agreed graph", "pass a checked table")
@@ -1035,10 +1029,6 @@ def _own_counts(group: AgreementGroup, live_tokens: npt.NDArray[np.int32]) -> In
     # A view of bytes: the caller's table stays theirs, and the copy cannot be thawed.
     out: IntArray = np.frombuffer(live_tokens.tobytes(), dtype=np.int32)
     return out
-
-
-_new = object.__new__
-_set = object.__setattr__
 
 
 def _sync(
