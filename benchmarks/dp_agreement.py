@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import torch
 import torch.distributed as dist
 
@@ -77,6 +76,7 @@ def seed_decide(
     manager: CudaGraphDispatcher,
     desired: BatchExecutionDescriptor,
     tensor: torch.Tensor,
+    *,
     num_tokens: int,
     num_reqs: int,
     num_active_loras: int,
@@ -144,7 +144,12 @@ def seed_whole(
     if group is not None:
         dist.all_reduce(tensor, group=group)
     return seed_decide(
-        manager, desired, tensor, shape.num_tokens, shape.num_reqs, shape.num_active_loras
+        manager,
+        desired,
+        tensor,
+        num_tokens=shape.num_tokens,
+        num_reqs=shape.num_reqs,
+        num_active_loras=shape.num_active_loras,
     )
 
 
@@ -200,7 +205,12 @@ def make_case(dp_size: int, branch: str, group: Any) -> Case:
     # Check both ways decide alike before timing them.
     ours = finish_agreement(started.state, started.result, reduced_np).result
     theirs, their_sync = seed_decide(
-        DISPATCHER, desired, reduced_t.clone(), shape.num_tokens, shape.num_reqs, 0
+        DISPATCHER,
+        desired,
+        reduced_t.clone(),
+        num_tokens=shape.num_tokens,
+        num_reqs=shape.num_reqs,
+        num_active_loras=0,
     )
     assert ours.descriptor == theirs, (ours, theirs)
     assert ours == agree_across_ranks(DISPATCHER, batches)[RANK]
@@ -216,7 +226,14 @@ def make_case(dp_size: int, branch: str, group: Any) -> Case:
         return finish_agreement(started.state, started.result, reduced_np)
 
     def seed_finish() -> object:
-        return seed_decide(DISPATCHER, desired, reduced_t, shape.num_tokens, shape.num_reqs, 0)
+        return seed_decide(
+            DISPATCHER,
+            desired,
+            reduced_t,
+            num_tokens=shape.num_tokens,
+            num_reqs=shape.num_reqs,
+            num_active_loras=0,
+        )
 
     def purepp_whole() -> object:
         rank_batch = RankBatch(
