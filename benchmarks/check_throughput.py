@@ -121,7 +121,7 @@ def check_only(directory: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400, help="steps of the scripted run")
-    parser.add_argument("--repeat", type=int, default=30, help="copies of it, end to end")
+    parser.add_argument("--repeat", type=int, default=10, help="copies of it, end to end")
     parser.add_argument("--pp", type=int, default=3)
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--check-only", type=Path, default=None, help="check this folder only")

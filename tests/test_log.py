@@ -804,3 +804,74 @@ def test_a_stream_reads_up_to_a_cut_last_line_only_when_asked(tmp_path: Path) ->
     assert stream.cut_line == len(SAMPLE.records) + 1
     with pytest.raises(LogFormatError, match="the last line is truncated"):
         tuple(LogStream(path))
+
+
+# -- the checker's fast reading is as strict as loading ------------------------------
+
+
+def agreement_at(step: int, value: int) -> AllReduce:
+    return AllReduce(
+        step=step,
+        op=Op.AGREE,
+        contribution=np.full((2, 2), value, dtype=np.int32),
+        result=BufferRef(f"dp.step{step}.table"),
+        comm=Communicator.DP_CPU,
+        work=None,
+    )
+
+
+def repeated_steps(steps: int) -> EffectLog:
+    """Steps that differ only in digits, so later lines read through the template path."""
+    effects: list[Effect] = []
+    for step in range(10, 10 + steps):
+        effects += [agreement_at(step, 1_147_483_648), relay_broadcast(step)]
+        effects += [
+            WaitStream(step=step, op=Op.RECEIVE, stream=Stream.RELAY, waits_for=Stream.MAIN)
+        ]
+    return EffectLog.from_effects(HEADER, effects)
+
+
+def scan_all(path: Path) -> list[tuple[int, str, Effect | None]]:
+    return list(LogStream(path).scan(frozenset({"wait_stream"})))
+
+
+def test_a_scan_gives_every_record_that_loading_gives(tmp_path: Path) -> None:
+    log = repeated_steps(6)
+    dump_log(log, tmp_path / "rank.jsonl")
+    scanned = scan_all(tmp_path / "rank.jsonl")
+    assert [(step, kind) for step, kind, _ in scanned] == [
+        (e.step, kind_of(e)) for e in log.effects
+    ]
+    assert [e for _, _, e in scanned] == [
+        None if isinstance(e, WaitStream) else e for e in log.effects
+    ]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "problem"),
+    [
+        # Each edit keeps the line's digit pattern, so only the template path sees it.
+        ("[1147483648, 1147483648]]", "[2147483648, 1147483648]]", "int32"),
+        ('"shape": [4, 2]', '"shape": [4, 02]', "corrupted JSON"),
+        ('{"seq": 16, ', '{"seq": 17, ', "seq is 17, expected 16"),
+        ('16, "comm_seq": 5, ', '16, "comm_seq": 6, ', "comm_seq is 6, expected 5"),
+        ('"waits_for": "main"', '"waits_for": "rely"', "waits_for"),
+    ],
+    ids=["int32-range", "leading-zero", "seq", "comm-seq", "enum"],
+)
+def test_a_scan_rejects_what_loading_rejects(
+    tmp_path: Path, old: str, new: str, problem: str
+) -> None:
+    path = tmp_path / "rank.jsonl"
+    dump_log(repeated_steps(6), path)
+    lines = path.read_text().splitlines(keepends=True)
+    edited = next(i for i in range(len(lines) - 1, 0, -1) if old in lines[i])
+    assert edited > 6  # a line after its template was seen
+    lines[edited] = lines[edited].replace(old, new, 1)
+    path.write_text("".join(lines))
+
+    with pytest.raises(LogFormatError, match=f"line {edited + 1}: .*{problem}") as loading:
+        load_log(path)
+    with pytest.raises(LogFormatError) as scanning:
+        scan_all(path)
+    assert str(scanning.value) == str(loading.value)

@@ -378,6 +378,8 @@ def _fast_builder(tp: Any) -> Callable[[Any], Any]:
         return tp._value2member_map_.__getitem__
     if tp in (BufferRef, EventRef, WorkRef):
         return typing.cast(Callable[[Any], Any], tp)
+    if tp == IntArray:
+        return _fast_array
     if _is_homogeneous_tuple(tp):
         item = _fast_builder(args[0])
         return lambda value: tuple(map(item, value))
@@ -393,6 +395,15 @@ def _same(value: Any) -> Any:
     return value
 
 
+def _fast_array(value: Mapping[str, Any]) -> IntArray:
+    # numpy refuses a value outside int32 (OverflowError): the one check a shape cannot make.
+    array = np.asarray(value["values"], dtype=np.int32)
+    shape = tuple(value["shape"])
+    if array.shape != shape:
+        raise _BadValue(f"values of shape {list(array.shape)}, declared {list(shape)}")
+    return array
+
+
 def _fast_attrs_builder(cls: type) -> Callable[[Any], Any]:
     hints = typing.get_type_hints(cls)
     fields = [(field.name, _fast_builder(hints[field.name])) for field in attrs.fields(cls)]
@@ -403,24 +414,21 @@ def _fast_attrs_builder(cls: type) -> Callable[[Any], Any]:
     return build
 
 
-# Effects whose fields a line's shape fully vouches for: no int32 array, whose values'
-# range the shape cannot show.
 _FAST_BUILDERS: Final[Mapping[str, Callable[[Any], Any]]] = {
-    kind: _fast_attrs_builder(cls)
-    for kind, cls in EFFECT_KINDS.items()
-    if IntArray not in typing.get_type_hints(cls).values()
+    kind: _fast_attrs_builder(cls) for kind, cls in EFFECT_KINDS.items()
 }
 
 
-def build_checked_effect(kind: str, value: Mapping[str, Any]) -> Effect | None:
-    """The effect `value` describes, built without validation; None for kinds holding arrays.
+def build_checked_effect(kind: str, value: Mapping[str, Any]) -> Effect:
+    """The effect `value` describes, built with only the checks its shape cannot show.
 
-    Only for a value whose shape (keys, JSON types, enum values) equals one that
-    `structure_effect` already accepted: the log reader's fast path for lines that
-    differ from a validated line in their numbers alone.
+    Only for a value whose shape (keys, JSON types, enum values, nesting) equals one
+    that `structure_effect` accepted: the log reader's fast path for lines that
+    differ from a validated line in their digits alone. Raises ValueError (an int32
+    array value out of range, or values not of the declared shape); the caller then
+    reads the line in full for the error.
     """
-    builder = _FAST_BUILDERS.get(kind)
-    return None if builder is None else typing.cast(Effect, builder(value))
+    return typing.cast(Effect, _FAST_BUILDERS[kind](value))
 
 
 # -- errors ---------------------------------------------------------------------

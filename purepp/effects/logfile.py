@@ -269,9 +269,10 @@ class LogStream:
             numbering.skip_local()
             return step, kind, None
         value = json.loads(line)
-        effect = build_checked_effect(kind, value["effect"])
-        if effect is None:  # a kind holding arrays is never keyed; read it in full
-            return step, kind, self._record(line, numbering).effect
+        try:
+            effect = build_checked_effect(kind, value["effect"])
+        except (ValueError, OverflowError):
+            return step, kind, self._record(line, numbering).effect  # raises the full error
         expected = numbering.number(effect)
         if expected.seq != seq or expected.comm_seq != value["comm_seq"]:
             record = LogRecord(seq=seq, comm_seq=value["comm_seq"], effect=effect)
