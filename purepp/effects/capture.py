@@ -113,7 +113,14 @@ class _Record:
     stream: Stream
 
 
-_NameOp: TypeAlias = _Bind | _Drop | _Record
+@attrs.frozen
+class _View:
+    """After a replay: the effect at `index` (an Unpack: views, no device work), as eager."""
+
+    index: int
+
+
+_NameOp: TypeAlias = _Bind | _Drop | _Record | _View
 
 
 @attrs.define
@@ -122,7 +129,9 @@ class _Instance:
 
     graph: torch.cuda.CUDAGraph
     slots: Slots  # every position's tensor at the end of the capture (inputs included)
-    baseline: dict[int, int]  # output position -> its refcount right after capture
+    # output position -> (Python refcount, storage use count) right after capture: more
+    # means a name, a caller or a view still holds it
+    baseline: dict[int, tuple[int, int]]
 
 
 @attrs.define
@@ -194,6 +203,8 @@ def replay(
                 case _Record():
                     tensor = buffers[typing.cast(BufferRef, names[op.position])]
                     tensor.record_stream(interp.cuda_stream(op.stream))
+                case _View():
+                    handlers[op.index](effects[op.index])
                 case _:
                     typing.assert_never(op)
         for index in range(capturable.last + 1, len(effects)):
@@ -215,7 +226,7 @@ def _free_instance(
         slots = instance.slots
         if all(
             buffers.get(typing.cast(BufferRef, names[p])) is slots[p] for p in capturable.baked
-        ) and all(sys.getrefcount(slots[p]) <= held for p, held in instance.baseline.items()):
+        ) and all(_unheld(slots[p], held) for p, held in instance.baseline.items()):
             capturable.turn = (index + 1) % max(count, 1)
             return instance
     if count >= copies:
@@ -241,13 +252,26 @@ def _capture(interp: TorchInterpreter, capturable: _Capturable, names: list[Name
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for kernel in capturable.kernels:
             kernel(slots)
-    # Baselines: what holds each output now (the slots dict, the call's argument).
-    baseline = {p: sys.getrefcount(slots[p]) for p in capturable.made}
+    # Baselines: what holds each output now (the slots dict, views made while capturing).
+    baseline = {p: _holders(slots[p]) for p in capturable.made}
     return _Instance(graph=graph, slots=slots, baseline=baseline)
+
+
+def _unheld(tensor: torch.Tensor, baseline: tuple[int, int]) -> bool:
+    references, storage = _holders(tensor)
+    return references <= baseline[0] and storage <= baseline[1]
+
+
+def _holders(tensor: torch.Tensor) -> tuple[int, int]:
+    """Who holds `tensor`: Python references to it (names bound to it), and tensors on
+    its storage (views of it, such as an Unpack's), each compared with its baseline."""
+    storage = torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+    return sys.getrefcount(tensor), storage
 
 
 # -- analysis: which plans can be captured, and their kernels over slots ------------------
 
+# Unpack queues no work (views), so it is not device work: it may sit anywhere.
 _DEVICE = (
     Allocate,
     CopyHostToDevice,
@@ -257,7 +281,6 @@ _DEVICE = (
     GatherRows,
     ScatterRows,
     Pack,
-    Unpack,
 )
 _ORDER = (WaitStream, WaitEvent, RecordEvent, ForgetEvent)
 _HOST = (AllReduce, WaitWork, CheckHeader, Synchronize)
@@ -274,6 +297,7 @@ class _Segment:
         self.baked: set[int] = set()  # inputs written in place or viewed
         self.host: list[tuple[int, int, tuple[int, ...]]] = []
         self.refused = False  # something in it cannot be captured
+        self.views: set[int] = set()  # positions an Unpack in the segment binds
 
     def make(self, position: int) -> None:
         if position in self.made:
@@ -282,11 +306,11 @@ class _Segment:
         self.name_ops.append(_Bind(position, position))
 
     def read(self, position: int) -> None:
-        if position not in self.made:
+        if position not in self.made and position not in self.views:
             self.reads.add(position)
 
     def write(self, position: int) -> None:
-        if position not in self.made:
+        if position not in self.made and position not in self.views:
             self.baked.add(position)
 
 
@@ -332,8 +356,22 @@ def _lower(
 ) -> Stream | None:
     """Add `effect`'s kernel and name changes to `segment`; its stream if it queues work."""
     match effect:
-        case Allocate() | CopyHostToDevice() | Broadcast() | Pack() | Unpack():
+        case Allocate() | CopyHostToDevice() | Broadcast() | Pack():
             return _lower_wire(interp, effect, index, at, segment)
+        case Unpack():
+            # Views while capturing, for the kernels after it; at replay the eager handler
+            # binds views of whatever the source is bound to (no device work either way).
+            p, views = at[effect.source], [(at[s.buffer], s) for s in effect.sections]
+
+            def unpack(slots: Slots) -> None:
+                for q, section in views:
+                    slots[q] = section_view(slots[p], section)
+
+            segment.kernels.append(unpack)
+            segment.name_ops.append(_View(index))
+            segment.views.update(q for q, _ in views)
+            segment.read(p)
+            return None
         case PadColumns() | StackRows() | GatherRows() | ScatterRows():
             return _lower_rows(effect, at, segment)
         case Release():
@@ -364,7 +402,7 @@ def _lower(
 
 def _lower_wire(
     interp: TorchInterpreter,
-    effect: Allocate | CopyHostToDevice | Broadcast | Pack | Unpack,
+    effect: Allocate | CopyHostToDevice | Broadcast | Pack,
     index: int,
     at: dict[Name, int],
     segment: _Segment,
@@ -417,19 +455,6 @@ def _lower_wire(
 
             kernels.append(pack_sections)
             segment.make(q)
-            return effect.stream
-        case Unpack():
-            p = at[effect.source]
-            views = [(at[s.buffer], s) for s in effect.sections]
-            segment.write(p)  # the views alias it: the graph must see the tensor itself
-
-            def unpack(slots: Slots) -> None:
-                for q, section in views:
-                    slots[q] = section_view(slots[p], section)
-
-            kernels.append(unpack)
-            for q, _ in views:
-                segment.make(q)
             return effect.stream
         case _:
             typing.assert_never(effect)

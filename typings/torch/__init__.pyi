@@ -10,6 +10,7 @@ from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
+from torch import _C as _C
 from torch import cuda as cuda
 from torch import distributed as distributed
 from torch import nn as nn
@@ -59,7 +60,11 @@ _Scalar = _int | _float | _bool
 class Size(tuple[_int, ...]):
     def numel(self) -> _int: ...
 
+class UntypedStorage:
+    _cdata: _int  # the StorageImpl's address, for torch._C._storage_Use_Count
+
 class Tensor:
+    def untyped_storage(self) -> UntypedStorage: ...
     @property
     def shape(self) -> Size: ...
     @property

@@ -1,0 +1,119 @@
+"""Which plans can be captured into CUDA graphs, and what a replay copies, bakes and binds.
+
+The analysis needs no GPU: it reads a plan's effects. (The replays themselves are in
+tests/test_interpreter_cuda.py, on a GPU.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from purepp.effects.capture import _analyse, _Bind
+from purepp.effects.plan import Plan, abstract, layout, roles
+from purepp.effects.torch_interpreter import TorchInterpreter
+from purepp.effects.vocabulary import (
+    Allocate,
+    BufferRef,
+    DType,
+    Effect,
+    EventRef,
+    Op,
+    RecordEvent,
+    Section,
+    Stream,
+    Unpack,
+)
+from purepp.errors import ConfigError
+from tests import _interpreter_programs as programs
+
+CPU = torch.device("cpu")
+
+
+def plan_of(interp: TorchInterpreter, effects: tuple[Effect, ...]) -> Plan:
+    _, names = abstract(effects)
+    positions = roles(effects, names)
+    inputs = {
+        p: layout(interp.tensor(name))  # type: ignore[arg-type]
+        for p, name in enumerate(names)
+        if positions[p] == 0
+    }
+    handlers = [interp.handler(e) for e in effects]
+    return Plan(effects, names, positions, inputs, handlers, checked=False)
+
+
+@pytest.fixture
+def interp() -> TorchInterpreter:
+    made = TorchInterpreter(device=CPU, groups={}, rank=0)
+    made.bind(programs.TABLE, torch.zeros((programs.SLOTS, programs.WIDTH), dtype=torch.int64))
+    made.bind(programs.ROWS, torch.zeros(3, dtype=torch.int32))
+    made.bind(programs.ref(4, "tokens"), torch.zeros((5, programs.WIDTH), dtype=torch.int64))
+    made.bind(programs.ref(4, "counts_seen"), torch.zeros((2, 5), dtype=torch.int32))
+    made.bind(programs.ref(4, "wire"), torch.zeros(8, dtype=torch.int64))
+    made.bind(programs.ref(4, "kept"), torch.zeros((3, programs.WIDTH), dtype=torch.int64))
+    return made
+
+
+def test_a_consume_is_captured_between_its_wait_and_its_names(interp: TorchInterpreter) -> None:
+    batch = programs.consume(5, 5)
+    plan = plan_of(interp, batch)
+    capturable = _analyse(interp, plan)
+    assert capturable is not None
+    assert capturable.stream is Stream.MAIN
+    # WaitEvent before; CopyHostToDevice, ScatterRows, GatherRows captured; names after.
+    assert (capturable.first, capturable.last) == (1, 3)
+    at = {name: p for p, name in enumerate(plan.names)}
+    table, tokens, rows = at[programs.TABLE], at[programs.ref(4, "tokens")], at[programs.ROWS]
+    assert capturable.baked == (table,)  # scattered into in place: the caller's own tensor
+    assert set(capturable.copied) == {tokens, rows}  # only read: copied in before a replay
+    index, gathered = at[programs.ref(5, "index")], at[programs.ref(5, "gathered")]
+    assert [(p, shape) for _, p, shape in capturable.host] == [(index, (5,))]
+    assert set(capturable.made) == {index, gathered}
+    assert capturable.name_ops[:2] == (_Bind(index, index), _Bind(gathered, gathered))
+    assert len(capturable.kernels) == 2  # the scatter and the gather; the copy is outside
+
+
+def test_host_work_or_cpu_collectives_are_not_captured(interp: TorchInterpreter) -> None:
+    agree = plan_of(interp, programs.agree(5))  # a gloo all-reduce and its wait
+    assert _analyse(interp, agree) is None
+    releases = plan_of(interp, programs.consume(5, 5)[-4:])  # no device work at all
+    assert _analyse(interp, releases) is None
+
+
+def test_an_event_between_device_effects_stops_capture(interp: TorchInterpreter) -> None:
+    tag = programs.Tag(step=5, op=Op.RECEIVE)
+    a, b = BufferRef("a"), BufferRef("b")
+    batch = (
+        Allocate(**tag, buffer=a, shape=(2,), dtype=DType.INT64, stream=Stream.RELAY),
+        RecordEvent(**tag, stream=Stream.RELAY, event=EventRef("e")),
+        Allocate(**tag, buffer=b, shape=(2,), dtype=DType.INT64, stream=Stream.RELAY),
+    )
+    assert _analyse(interp, plan_of(interp, batch)) is None
+    two_streams = (
+        batch[0],
+        Allocate(**tag, buffer=b, shape=(2,), dtype=DType.INT64, stream=Stream.MAIN),
+    )
+    assert _analyse(interp, plan_of(interp, two_streams)) is None
+
+
+def test_an_unpack_is_views_not_device_work(interp: TorchInterpreter) -> None:
+    tag = programs.Tag(step=5, op=Op.RECEIVE)
+    wire, view = BufferRef("wire"), BufferRef("view")
+    batch = (
+        Allocate(**tag, buffer=wire, shape=(2,), dtype=DType.INT64, stream=Stream.RELAY),
+        RecordEvent(**tag, stream=Stream.RELAY, event=EventRef("e")),
+        Unpack(
+            **tag,
+            source=wire,
+            sections=(Section(buffer=view, offset=0, shape=(4,), dtype=DType.INT32),),
+            stream=Stream.MAIN,
+        ),
+    )
+    capturable = _analyse(interp, plan_of(interp, batch))
+    assert capturable is not None
+    assert (capturable.first, capturable.last) == (0, 0)  # the event and the views follow
+
+
+def test_capture_needs_cuda() -> None:
+    with pytest.raises(ConfigError, match="capture on a cuda device"):
+        TorchInterpreter(device=CPU, groups={}, rank=0, capture=True)

@@ -1,0 +1,3 @@
+# Narrow stubs for torch._C: the storage use count (how many tensors share a storage).
+
+def _storage_Use_Count(storage_impl: int) -> int: ...
