@@ -7,8 +7,17 @@ kernel completes before the next effect starts, so streams and events are no-ops
 (events still get a marker, so waiting on an unrecorded one is still an error).
 
 A steady-state step never synchronises the host with the device: host arrays
-reach the device through pinned staging memory, and the in-place row scatter
-routes skipped rows to a scratch row instead of filtering them on the host.
+reach the device through pinned staging memory, and the in-place row scatter writes
+every row as an addition (zero for skipped rows) instead of filtering on the host.
+
+The hot path is lean: one handler per effect kind from a dict, the current stream
+switched only when a kernel's stream differs from the last one's (the caller's stream
+is restored when `perform` returns), broadcasts and all-reduces issued on the process
+group directly with options built once per (communicator, source), and error text
+built only when raising (the shared environment, purepp.effects._environment, names
+the effect). `Synchronize` waits for the CUDA stream; on CPU it has nothing to wait
+for. `Pack` and `Unpack` move bytes of one int64 wire: Pack copies each source into
+the top-left corner of its zeroed section, Unpack binds views (no copy).
 
 `CheckHeader` (the opt-in relay header) never reads the header on the host on CUDA:
 the comparison is a device-side `torch._assert_async` on the relay stream. What a
