@@ -45,10 +45,10 @@ def _result(rank: int, outputs: dict[int, list[int]]) -> RankResult:
 def test_a_beat_is_read_whole_or_not_at_all(tmp_path: Path) -> None:
     path = tmp_path / "rank0"
     assert read_beat(path) is None  # not started
-    write_beat(path, Beat(done=12, total=40, count=3))
-    assert read_beat(path) == Beat(done=12, total=40, count=3)
+    write_beat(path, Beat(done=12, total=40, count=3, leaving=True))
+    assert read_beat(path) == Beat(done=12, total=40, count=3, leaving=True)
     assert [p.name for p in tmp_path.iterdir()] == ["rank0"]  # no partial file left
-    for torn in ("", "12", "12 40", "12 4x 3", "-1 40 3"):
+    for torn in ("", "12", "12 40", "12 40 3", "12 4x 3 0", "-1 40 3 0", "1 2 3 0 0"):
         path.write_text(torn)
         assert read_beat(path) is None
 

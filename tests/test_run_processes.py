@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from purepp.runner.exit_codes import Exit, interrupted
-from purepp.runner.progress import KILL_RANK_ENV, STOP_RANK_ENV
+from purepp.runner.progress import KILL_RANK_ENV, STOP_RANK_ENV, STUCK_RANK_ENV
 from purepp.runner.supervise import LOCK_FILE
 
 pytestmark = pytest.mark.multiprocess
@@ -151,6 +151,29 @@ def test_a_frozen_reference_is_named(tmp_path: Path, runs: list[Run]) -> None:
     reports = _reports(err)
     assert len(reports) == 1, err
     assert "the reference process froze after step 4" in reports[0]
+    run.assert_nothing_left()
+
+
+def test_a_stuck_rank_that_still_beats_is_named(tmp_path: Path, runs: list[Run]) -> None:
+    args = ["--pp", "2", "--dp", "2", "--requests", "8", "--timeout", "5"]
+    run = Run(tmp_path, *args, env={STUCK_RANK_ENV: "1@5"})
+    runs.append(run)
+    code, _, err = run.finish()
+    assert code == Exit.RANK_FAILED, err
+    reports = _reports(err)
+    assert len(reports) == 1, err
+    assert reports[0].startswith("purepp run: rank 1 stopped advancing after step 6 "), err
+    run.assert_nothing_left()
+
+
+def test_a_stuck_reference_is_named(tmp_path: Path, runs: list[Run]) -> None:
+    run = Run(tmp_path, *SMALL, "--timeout", "5", env={STUCK_RANK_ENV: "reference@3"})
+    runs.append(run)
+    code, _, err = run.finish()
+    assert code == Exit.RANK_FAILED, err
+    reports = _reports(err)
+    assert len(reports) == 1, err
+    assert "the reference process made no progress for 7 s after step 4" in reports[0]
     run.assert_nothing_left()
 
 

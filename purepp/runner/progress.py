@@ -30,6 +30,7 @@ __all__ = [
     "KILL_RANK_ENV",
     "PARENT_PID_ENV",
     "STOP_RANK_ENV",
+    "STUCK_RANK_ENV",
     "Beat",
     "Heartbeat",
     "read_beat",
@@ -39,11 +40,13 @@ __all__ = [
 BEAT_INTERVAL_S = 0.25
 PARENT_PID_ENV = "PUREPP_PARENT_PID"  # set by `purepp run`: a rank exits when it is gone
 
-# Fault injection for tests, "RANK@STEP" (or "reference@STEP"): that rank of the run
-# (or the reference process) kills itself with SIGKILL (dies) or stops itself with
-# SIGSTOP (freezes, alive) after that step.
+# Fault injection for tests, "RANK@STEP" (or "reference@STEP"): after that step, that
+# rank of the run (or the reference process) kills itself with SIGKILL (dies), stops
+# itself with SIGSTOP (freezes: alive, no heartbeat), or sleeps forever in Python
+# (stuck: alive and beating, no progress).
 KILL_RANK_ENV = "PUREPP_FAULT_KILL_RANK"
 STOP_RANK_ENV = "PUREPP_FAULT_STOP_RANK"
+STUCK_RANK_ENV = "PUREPP_FAULT_STUCK_RANK"
 
 
 @attrs.frozen
@@ -53,11 +56,13 @@ class Beat:
     done: int  # steps finished
     total: int  # steps the rank runs
     count: int  # beats written so far; stops advancing when the process does
+    leaving: bool = False  # the rank failed and is exiting: no longer a sign of life
 
 
 def write_beat(path: Path, beat: Beat) -> None:
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(f"{beat.done} {beat.total} {beat.count}\n", encoding="ascii")
+    text = f"{beat.done} {beat.total} {beat.count} {int(beat.leaving)}\n"
+    partial.write_text(text, encoding="ascii")
     os.replace(partial, path)
 
 
@@ -67,10 +72,10 @@ def read_beat(path: Path) -> Beat | None:
         fields = path.read_text(encoding="ascii").split()
     except (OSError, UnicodeDecodeError):
         return None
-    if len(fields) != 3 or not all(field.isdigit() for field in fields):
+    if len(fields) != 4 or not all(field.isdigit() for field in fields):
         return None
-    done, total, count = map(int, fields)
-    return Beat(done=done, total=total, count=count)
+    done, total, count, leaving = map(int, fields)
+    return Beat(done=done, total=total, count=count, leaving=leaving == 1)
 
 
 class Heartbeat:
@@ -83,6 +88,7 @@ class Heartbeat:
         self._done = 0
         self._total = total
         self._count = 0
+        self._leaving = False
         self._stop = threading.Event()
         self._writing = threading.Lock()  # the loop's writes and the thread's share a file
         self._thread = threading.Thread(target=self._run, name="purepp-heartbeat", daemon=True)
@@ -98,6 +104,17 @@ class Heartbeat:
         self._done = done
         self._beat()
 
+    def loop_ended(self) -> None:
+        """The loop is over (early or not): shown as every step done while the results
+        are gathered and written."""
+        self.step_done(self._total)
+
+    def leaving(self) -> None:
+        """The rank failed and exits: say so and stop beating, so the launcher does not
+        take the silence of its shutdown for a freeze."""
+        self._leaving = True
+        self.stop()
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
@@ -109,7 +126,9 @@ class Heartbeat:
             return
         with self._writing:
             self._count += 1
-            beat = Beat(done=self._done, total=self._total, count=self._count)
+            beat = Beat(
+                done=self._done, total=self._total, count=self._count, leaving=self._leaving
+            )
             # OSError: the launcher removed the folder, so it is stopping us anyway.
             with contextlib.suppress(OSError):
                 write_beat(self._path, beat)

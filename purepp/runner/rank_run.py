@@ -43,12 +43,14 @@ def run_rank(
     log_dir: str | None,
     trace_path: str | None,
     on_step: Callable[[int], None] = lambda step: None,
+    on_loop_end: Callable[[], None] = lambda: None,
     abort_requests: bool = True,
     run_id: str | None = None,
 ) -> tuple[RankResult, ...] | None:
     """Run one rank to the end. Rank 0 gathers every rank's result, writes them to
     `out_dir` (and the merged trace to `trace_path`) and returns them; others return
-    None. `on_step(step)` is called after each step; `run_id` goes in the log header."""
+    None. `on_step(step)` is called after each step and `on_loop_end()` after the last;
+    `run_id` goes in the log header."""
     timeout = datetime.timedelta(seconds=settings.timeout_s)
     if settings.backend == "nccl":
         torch.cuda.set_device(local_rank)
@@ -62,47 +64,47 @@ def run_rank(
         world_size=settings.world_size,
         timeout=timeout,
     )
-    try:
-        world = Layout(pp=settings.pp, dp=settings.dp)
-        groups = build_communicators(
-            pp_groups=world.pp_groups,
-            dp_groups=world.dp_groups,
-            relay_backend="nccl" if settings.backend == "nccl" else "gloo",
-            timeout=timeout,
+    world = Layout(pp=settings.pp, dp=settings.dp)
+    groups = build_communicators(
+        pp_groups=world.pp_groups,
+        dp_groups=world.dp_groups,
+        relay_backend="nccl" if settings.backend == "nccl" else "gloo",
+        timeout=timeout,
+    )
+    results_group = dist.new_group(backend="gloo", timeout=timeout)
+    env = TorchInterpreter(device=device, groups=groups, rank=rank)
+    tracer = Tracer(rank=rank, inner=env) if trace_path else None
+    perform: Interpreter = env if tracer is None else tracer
+    if log_dir is not None:
+        config = json.loads(json.dumps(attrs.asdict(settings)))
+        header = (
+            LogHeader(rank=rank, world=world, config=config)
+            if run_id is None
+            else LogHeader.for_run(rank=rank, world=world, config=config, run_id=run_id)
         )
-        results_group = dist.new_group(backend="gloo", timeout=timeout)
-        env = TorchInterpreter(device=device, groups=groups, rank=rank)
-        tracer = Tracer(rank=rank, inner=env) if trace_path else None
-        perform: Interpreter = env if tracer is None else tracer
-        if log_dir is not None:
-            config = json.loads(json.dumps(attrs.asdict(settings)))
-            header = (
-                LogHeader(rank=rank, world=world, config=config)
-                if run_id is None
-                else LogHeader.for_run(rank=rank, world=world, config=config, run_id=run_id)
-            )
-            perform = Recorder(header, perform, path=Path(log_dir) / log_file_name(rank))
-        workload_config = settings.workload
-        if not abort_requests:
-            workload_config = attrs.evolve(workload_config, abort_fraction=0.0)
-        loop = RankLoop(
-            settings,
-            make_workload(workload_config),
-            rank=rank,
-            env=env,
-            perform=perform,
-            activation_group=None,
-            progress=on_step,
-        )
-        result = loop.run()
-        gathered: list[object] | None = [None] * settings.world_size if rank == 0 else None
-        payload = (result, [] if tracer is None else tracer.events)
-        dist.gather_object(payload, gathered, dst=0, group=results_group)
-        if gathered is None:
-            return None
-        return _write_outputs(gathered, out_dir, trace_path)
-    finally:
-        dist.destroy_process_group()
+        perform = Recorder(header, perform, path=Path(log_dir) / log_file_name(rank))
+    workload_config = settings.workload
+    if not abort_requests:
+        workload_config = attrs.evolve(workload_config, abort_fraction=0.0)
+    loop = RankLoop(
+        settings,
+        make_workload(workload_config),
+        rank=rank,
+        env=env,
+        perform=perform,
+        activation_group=None,
+        progress=on_step,
+    )
+    result = loop.run()
+    on_loop_end()
+    gathered: list[object] | None = [None] * settings.world_size if rank == 0 else None
+    payload = (result, [] if tracer is None else tracer.events)
+    dist.gather_object(payload, gathered, dst=0, group=results_group)
+    outputs = None if gathered is None else _write_outputs(gathered, out_dir, trace_path)
+    # Only a rank that succeeded tears its groups down: a failing one exits at once,
+    # rather than wait on the peer that failed (holding the interpreter meanwhile).
+    dist.destroy_process_group()
+    return outputs
 
 
 def _write_outputs(

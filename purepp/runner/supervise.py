@@ -55,7 +55,11 @@ _POLL_S = 0.1
 _SETTLE_S = 1.0  # after a failure, for its peers to fail too before blaming one
 _SILENT_S = 2.0  # a live rank this long without a beat, when a peer failed, is frozen
 _STOP_GRACE_S = 3.0  # SIGTERM, then SIGKILL
-_HANG_MARGIN_S = 30.0  # nothing advanced for timeout + this: a hang (startup included)
+# Nothing advanced for the timeout plus this: a hang. Starting (torch's import and the
+# rendezvous, on a loaded machine) and ending (gathering and writing the results) get
+# longer than a step, which a peer would time out.
+_START_MARGIN_S = 30.0
+_STEP_MARGIN_S = 2.0
 
 
 class RankFailure(Exception):
@@ -205,6 +209,7 @@ class _Rank:
     beat_path: Path
     beat: Beat | None = None  # the last whole beat read
     beat_changed_at: float = 0.0  # monotonic time the beat count last advanced
+    done_changed_at: float = 0.0  # monotonic time the steps done last advanced
 
     def observe(self, now: float) -> None:
         beat = read_beat(self.beat_path)
@@ -212,11 +217,18 @@ class _Rank:
             return  # not started, or between files: keep the last one read
         if self.beat is None or beat.count != self.beat.count:
             self.beat_changed_at = now
+        if self.beat is None or beat.done != self.beat.done:
+            self.done_changed_at = now
         self.beat = beat
 
     @property
     def running(self) -> bool:
         return self.process.poll() is None
+
+    @property
+    def working(self) -> bool:
+        """Running and not on its way out after a failure of its own."""
+        return self.running and not (self.beat is not None and self.beat.leaving)
 
     @property
     def done_steps(self) -> int:
@@ -263,7 +275,7 @@ class _World:
                     preexec_fn=preexec,  # noqa: PLW1509  # no threads here yet
                 )
             entry = _Rank(rank, process, stderr_path, beats / f"rank{rank}")
-            entry.beat_changed_at = self.started_at
+            entry.beat_changed_at = entry.done_changed_at = self.started_at
             started.append(entry)
             self.ranks.append(entry)
         self._least_done = -1
@@ -292,7 +304,7 @@ class _World:
         silent = [
             (now - rank.beat_changed_at, rank)
             for rank in self.ranks
-            if rank.running and rank.beat is not None
+            if rank.working and rank.beat is not None
         ]
         quiet_for, rank = max(silent, key=lambda item: item[0], default=(0.0, None))
         if rank is None or rank.beat is None or quiet_for < silent_s:
@@ -312,21 +324,27 @@ class _World:
             f"{why}; its peers wait for it"
         )
 
+    def _stuck_first(self, ranks: Sequence[_Rank]) -> _Rank:
+        """Of `ranks`, the one whose progress stopped advancing first (then the fewest
+        steps): the rank the others ended up waiting for."""
+        return min(ranks, key=lambda rank: (rank.done_changed_at, rank.done_steps, rank.rank))
+
     def _behind(self) -> str | None:
-        """A live rank that reached fewer steps than every rank that gave up."""
-        running = [rank for rank in self.ranks if rank.running]
-        exited = [rank for rank in self.ranks if not rank.running]
-        if not running or not exited:
+        """After peers gave up waiting (timeouts, closed connections), the live rank
+        they waited for: a rank waiting on them would have given up too."""
+        running = [rank for rank in self.ranks if rank.working]
+        if not running:
             return None
-        slowest = min(running, key=lambda rank: (rank.done_steps, rank.rank))
-        if slowest.done_steps >= min(rank.done_steps for rank in exited):
-            return None
+        slowest = self._stuck_first(running)
         where = (
             f"after step {slowest.done_steps}"
             if slowest.done_steps > 0
             else "before its first step"
         )
-        return f"{self.label(slowest.rank)} fell behind {where}: its peers timed out waiting for it"
+        return (
+            f"{self.label(slowest.rank)} stopped advancing {where} (alive and beating, "
+            "but stuck or far too slow); its peers timed out waiting for it"
+        )
 
     def failure(self) -> str | None:
         """A one-line message naming the rank that started a failure, else None."""
@@ -354,15 +372,24 @@ class _World:
         """A live rank silent for the whole collective timeout, before anyone gives up."""
         return self._frozen(now, timeout_s)
 
-    def hung(self, now: float, limit_s: float) -> str | None:
-        """Nothing advanced for `limit_s` though every rank beats: name the one behind."""
+    def hung(self, now: float, timeout_s: float) -> str | None:
+        """Nothing advanced for the timeout though every rank beats: name the one behind
+        (what catches a stuck reference, which has no peer to time out)."""
+        _, total = self.progress()
+        in_loop = 0 < self._least_done < total
+        margin = _STEP_MARGIN_S if in_loop else _START_MARGIN_S
+        limit_s = timeout_s + margin
         if now - self._least_done_at <= limit_s:
             return None
-        slowest = min(self.ranks, key=lambda rank: (rank.done_steps, rank.rank))
-        where = "before its first step" if slowest.beat is None else f"at step {slowest.done_steps}"
+        slowest = self._stuck_first(self.ranks)
+        where = (
+            f"after step {slowest.done_steps}"
+            if slowest.done_steps > 0
+            else "before its first step"
+        )
         return (
-            f"{self.label(slowest.rank)} made no progress for {limit_s:.0f} s, {where} "
-            "(a hang: every process is alive)"
+            f"{self.label(slowest.rank)} made no progress for {limit_s:.0f} s {where} "
+            "(alive and beating, but stuck or far too slow)"
         )
 
     def results(self) -> tuple[RankResult, ...]:
@@ -429,11 +456,7 @@ def _wait(worlds: Sequence[_World], timeout_s: float, show: _World) -> None:
         for world in worlds:
             if world.done():
                 continue
-            message = (
-                world.failure()
-                or world.frozen(now, timeout_s)
-                or world.hung(now, timeout_s + _HANG_MARGIN_S)
-            )
+            message = world.failure() or world.frozen(now, timeout_s) or world.hung(now, timeout_s)
             if message is not None:
                 raise RankFailure(message)
         _show_progress(show, last_shown)

@@ -11,9 +11,11 @@ Rank 0 gathers every rank's result (and trace) and writes `DIR/results.json`.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -25,7 +27,13 @@ from purepp.runner.options import (
     add_run_options,
     settings_from_args,
 )
-from purepp.runner.progress import KILL_RANK_ENV, PARENT_PID_ENV, STOP_RANK_ENV, Heartbeat
+from purepp.runner.progress import (
+    KILL_RANK_ENV,
+    PARENT_PID_ENV,
+    STOP_RANK_ENV,
+    STUCK_RANK_ENV,
+    Heartbeat,
+)
 from purepp.runner.results import RankResult
 from purepp.runner.settings import RunSettings
 from purepp.runner.supervise import summarise_against_reference, without_source_paths
@@ -48,6 +56,7 @@ def _fault_step(variable: str, who: str) -> int | None:
 def _on_step(who: str, heartbeat: Heartbeat | None) -> Callable[[int], None]:
     kill_step = _fault_step(KILL_RANK_ENV, who)
     stop_step = _fault_step(STOP_RANK_ENV, who)
+    stuck_step = _fault_step(STUCK_RANK_ENV, who)
 
     def step_done(step: int) -> None:
         if heartbeat is not None:
@@ -56,6 +65,8 @@ def _on_step(who: str, heartbeat: Heartbeat | None) -> Callable[[int], None]:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == stop_step:
             os.kill(os.getpid(), signal.SIGSTOP)
+        while step == stuck_step:
+            time.sleep(1.0)
 
     return step_done
 
@@ -112,6 +123,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         parent_pid=int(parent) if parent and parent.isdigit() else None,
     ).start()
     try:
+        code = _run(args, settings, rank, heartbeat)
+    except BaseException:
+        heartbeat.leaving()
+        raise
+    if code != RankExit.OK:
+        heartbeat.leaving()
+    return code
+
+
+def _run(args: argparse.Namespace, settings: RunSettings, rank: int, heartbeat: Heartbeat) -> int:
+    """Run this rank; a failure becomes one line on stderr and a RankExit code."""
+    try:
         # torch loads only now, so the launcher sees this rank beat while it does.
         from purepp.runner.rank_run import run_rank
 
@@ -124,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log_dir=args.log_dir,
             trace_path=args.trace,
             on_step=_on_step("reference" if args.reference else str(rank), heartbeat),
+            on_loop_end=heartbeat.loop_ended,
             abort_requests=not args.reference,
             run_id=args.run_id,
         )
