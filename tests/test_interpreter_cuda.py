@@ -14,9 +14,7 @@ Run on a GPU host:
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
-import tempfile
 from collections.abc import Iterator
 
 import numpy as np
@@ -25,11 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from purepp.effects.torch_interpreter import (
-    TorchInterpreter,
-    build_communicators,
-    init_distributed,
-)
+from benchmarks.one_rank import one_rank_world
+from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.effects.vocabulary import (
     BufferRef,
     Communicator,
@@ -60,22 +55,8 @@ def groups() -> Iterator[dict[Communicator, dist.ProcessGroup]]:
     if dist.is_initialized():
         pytest.fail("another test left a default process group initialised")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    torch.cuda.set_device(0)
-    timeout = datetime.timedelta(seconds=60)
-    with tempfile.TemporaryDirectory() as rendezvous:
-        init_distributed(
-            backend="nccl",
-            init_method=f"file://{rendezvous}/store",
-            rank=0,
-            world_size=1,
-            timeout=timeout,
-        )
-        try:
-            yield build_communicators(
-                pp_groups=[[0]], dp_groups=[[0]], relay_backend="nccl", timeout=timeout
-            )
-        finally:
-            dist.destroy_process_group()
+    with one_rank_world("cuda") as (_, groups):
+        yield groups
 
 
 @contextlib.contextmanager

@@ -9,9 +9,7 @@ plan falls back to eager and raises eager's error, leaving eager's environment.
 
 from __future__ import annotations
 
-import datetime
 import os
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,13 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from benchmarks.one_rank import one_rank_world
 from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.plan import abstract
-from purepp.effects.torch_interpreter import (
-    TorchInterpreter,
-    build_communicators,
-    init_distributed,
-)
+from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.effects.vocabulary import BufferRef, Communicator, Effect, EventRef, WorkRef
 from purepp.errors import InterpreterError
 from tests import _interpreter_programs as programs
@@ -45,21 +40,8 @@ def groups() -> Iterator[dict[Communicator, dist.ProcessGroup]]:
     if dist.is_initialized():
         pytest.fail("another test left a default process group initialised")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    timeout = datetime.timedelta(seconds=10)
-    with tempfile.TemporaryDirectory() as rendezvous:
-        init_distributed(
-            backend="gloo",
-            init_method=f"file://{rendezvous}/store",
-            rank=0,
-            world_size=1,
-            timeout=timeout,
-        )
-        try:
-            yield build_communicators(
-                pp_groups=[[0]], dp_groups=[[0]], relay_backend="gloo", timeout=timeout
-            )
-        finally:
-            dist.destroy_process_group()
+    with one_rank_world("cpu") as (_, groups):
+        yield groups
 
 
 def torch_interp(groups: dict[Communicator, dist.ProcessGroup], mode: str) -> TorchInterpreter:
