@@ -81,8 +81,11 @@ _PR_SET_PDEATHSIG = 1
 
 def _die_with_parent() -> Callable[[], None] | None:
     """A preexec function that makes the child get SIGKILL when this process dies."""
-    if not sys.platform.startswith("linux"):
-        return None  # the rank's own parent watch (progress.Heartbeat) still applies
+    if not sys.platform.startswith("linux") or threading.active_count() > 1:
+        # Elsewhere, and where a fork could copy another thread's held lock into the
+        # child (a torchrun rank running the reference), the rank's own parent watch
+        # (progress.Heartbeat) is the guard.
+        return None
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
     except (OSError, AttributeError):
