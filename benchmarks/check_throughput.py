@@ -99,6 +99,13 @@ def check_only(directory: Path) -> None:
     # the time other processes held the cores.
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     baseline_kib, peak_kib = before.ru_maxrss, after.ru_maxrss
+    # The floor on this machine, now: json.loads alone over the same lines.
+    parse_start = time.process_time()
+    for path in directory.glob("*.jsonl"):
+        with path.open("rb") as file:
+            for line in file:
+                json.loads(line)
+    parse_cpu = time.process_time() - parse_start
     print(
         json.dumps(
             {
@@ -110,6 +117,7 @@ def check_only(directory: Path) -> None:
                 "mb_per_s": round(size / 1e6 / seconds, 1),
                 "cpu_seconds": round(cpu, 2),
                 "mb_per_cpu_s": round(size / 1e6 / cpu, 1),
+                "json_loads_only_mb_per_cpu_s": round(size / 1e6 / parse_cpu, 1),
                 "baseline_rss_mb": round(baseline_kib * 1024 / 1e6, 1),
                 "peak_rss_mb": round(peak_kib * 1024 / 1e6, 1),
                 "peak_over_log": round(peak_kib * 1024 / size, 2),

@@ -149,7 +149,7 @@ class _RankReplay:
         """Consume the record `peek` returned."""
         self.next = None
         self.records += 1
-        if isinstance(effect, Broadcast | AllReduce):
+        if effect is not None and isinstance(effect, Broadcast | AllReduce):
             self.collectives += 1
         if step != self.last_step:
             self.steps += 1
@@ -212,7 +212,7 @@ class _Check:
     def _advance(self, rank: _RankReplay) -> bool:
         """Issue `rank`'s effects until its host blocks, its log ends or it is held back."""
         progressed = False
-        lanes = rank.lanes
+        lanes, hub = rank.lanes, self._hub
         while not lanes.host_blocked():
             item = rank.peek()
             if item is None:
@@ -225,7 +225,8 @@ class _Check:
             rank.take(step, effect)
             if effect is not None:
                 lanes.issue(effect)
-                self._pump()
+                if hub.completed_ranks:
+                    self._pump()
             progressed = True
         return progressed
 

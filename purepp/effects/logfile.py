@@ -239,11 +239,21 @@ class LogStream:
         other line is read in full, so a bad log fails as it does when iterated.
         """
         numbering = Numbering()
+        local = {kind.encode("ascii"): kind for kind in local_kinds}
         try:
             while (line := self._next_line()) is not None:
                 prefix = _PREFIX.match(line)
                 key = None if prefix is None else _template_key(prefix, line)
-                if key is not None and prefix is not None and key in _SEEN_TEMPLATES:
+                if key is None or prefix is None or key not in _SEEN_TEMPLATES:
+                    pass
+                elif prefix[3] in local and prefix[2] == b"null":
+                    # The hot path: most records never wait and are not built.
+                    if int(prefix[1]) != numbering.next_seq:
+                        self._record(line, numbering)  # raises, naming the seq
+                    numbering.skip_local()
+                    yield int(prefix[4]), local[prefix[3]], None
+                    continue
+                else:
                     yield self._from_template(prefix, line, numbering, local_kinds)
                     continue
                 effect = self._record(line, numbering).effect
@@ -265,9 +275,6 @@ class LogStream:
     ) -> tuple[int, str, Effect | None]:
         """Read `line`, whose template was validated in full, without validating it again."""
         seq, kind, step = int(prefix[1]), prefix[3].decode("ascii"), int(prefix[4])
-        if kind in local_kinds and prefix[2] == b"null" and seq == numbering.next_seq:
-            numbering.skip_local()
-            return step, kind, None
         value = json.loads(line)
         try:
             effect = build_checked_effect(kind, value["effect"])

@@ -124,7 +124,11 @@ class CollectiveHub:
         posts[posted.rank] = posted
         self._where[posted] = (state, seq)
         signatures = state.signatures.setdefault(seq, {})
-        signatures[posted.rank] = signature_of(posted.effect)
+        signature = signatures[posted.rank] = signature_of(posted.effect)
+        if self._compare_steps and len(signatures) > 1:
+            checked = next(rank for rank in signatures if rank != posted.rank)
+            if signature == signatures[checked]:
+                return  # equal to a post already checked: nothing new can disagree
         if self._compare_steps:
             report = check_posts(key, seq, signatures)
         else:
@@ -274,13 +278,14 @@ class StreamLanes:
         self.rank = rank
         self._hub = hub
         self._queues: dict[Stream, deque[_Queued]] = {stream: deque() for stream in Stream}
+        self._main = self._queues[Stream.MAIN]  # the host waits while this is not empty
         self._issued: dict[Stream, int] = dict.fromkeys(Stream, 0)
         self._ran: dict[Stream, int] = dict.fromkeys(Stream, 0)
         self._events: dict[EventRef, tuple[Stream, int]] = {}
         self._works: dict[WorkRef, PostedCollective] = {}
 
     def host_blocked(self) -> bool:
-        return bool(self._queues[Stream.MAIN])
+        return bool(self._main)
 
     def idle(self) -> bool:
         return not any(self._queues.values()) and not self._works
@@ -344,7 +349,7 @@ class StreamLanes:
     def advance(self) -> bool:
         """Run every queued effect that can run now; whether anything ran."""
         progressed = False
-        moved = True
+        moved = any(self._queues.values())
         while moved:
             moved = False
             for stream, queue in self._queues.items():
