@@ -1,10 +1,15 @@
 """purepp: pipeline- and data-parallel coordination as pure functions over immutable state.
 
-The pure core (no torch): `purepp.relay` (the PP sampled-token relay), `purepp.dp` and
-`purepp.cudagraph` (the DP agreement and CUDA-graph dispatch), `purepp.batch`,
-`purepp.step`, `purepp.errors`. The effects (`purepp.effects`): the vocabulary, the
-log, the interpreters, the simulator and the checker. The runner (`purepp.runner`):
-a research decode loop and the `purepp` command.
+The front door exports what an embedder needs:
+
+- the rank step (`purepp.rank`): one rank's decode step as one program, in three typed
+  phases (`begin`, `agree`, `finish`) that `RankDriver` performs on an interpreter;
+- the pure core (no torch): the relay (`purepp.relay`), the DP agreement and CUDA-graph
+  dispatch (`purepp.dp`, `purepp.cudagraph`), batch facts, the `Step` contract, errors.
+
+Interpreters, logs, the simulator and the checker live in `purepp.effects`; seeded
+schedules and simulated worlds for embedders' tests in `purepp.testing`; the research
+runner and the `purepp` command in `purepp.runner`.
 """
 
 from purepp.batch import BatchFacts, need_sampled_mask
@@ -13,20 +18,43 @@ from purepp.cudagraph import (
     CaptureMode,
     CudaGraphDispatcher,
     CUDAGraphMode,
+    Dispatcher,
 )
 from purepp.dp import (
+    AgreementGroup,
+    AgreementLanes,
     DispatchOutcome,
     DPSyncState,
+    Lane,
+    LaneBusyError,
+    MicrobatchConfig,
     PendingAgreement,
+    RankBatch,
+    TableLayout,
     finish_agreement,
     start_agreement,
     wait_for_agreement,
 )
 from purepp.errors import PureppError
+from purepp.rank import (
+    Agreed,
+    Begun,
+    RankConfig,
+    RankDriver,
+    RankState,
+    RankSteps,
+    Sampled,
+    ShapeFacts,
+    StepIO,
+    init_rank,
+)
 from purepp.relay import (
     ConsumedOutputs,
+    Platform,
     RelayConfig,
+    RelayInputs,
     RelayState,
+    Wire,
     broadcast_drafts,
     broadcast_sampled,
     consume_previous_step,
@@ -40,19 +68,39 @@ from purepp.relay import (
 from purepp.step import Step
 
 __all__ = [
+    "AgreementGroup",
+    "AgreementLanes",
+    "Agreed",
     "BatchExecutionDescriptor",
     "BatchFacts",
+    "Begun",
     "CUDAGraphMode",
     "CaptureMode",
     "ConsumedOutputs",
     "CudaGraphDispatcher",
     "DPSyncState",
     "DispatchOutcome",
+    "Dispatcher",
+    "Lane",
+    "LaneBusyError",
+    "MicrobatchConfig",
     "PendingAgreement",
+    "Platform",
     "PureppError",
+    "RankBatch",
+    "RankConfig",
+    "RankDriver",
+    "RankState",
+    "RankSteps",
     "RelayConfig",
+    "RelayInputs",
     "RelayState",
+    "Sampled",
+    "ShapeFacts",
     "Step",
+    "StepIO",
+    "TableLayout",
+    "Wire",
     "broadcast_drafts",
     "broadcast_sampled",
     "consume_previous_step",
@@ -60,6 +108,7 @@ __all__ = [
     "finish_agreement",
     "free_request_slot",
     "free_request_slots",
+    "init_rank",
     "init_relay",
     "need_sampled_mask",
     "receive",

@@ -128,6 +128,10 @@ class RankConfig:
     # the drafter's CUDA graphs; it reuses the target's agreement (no second collective)
     drafter_dispatcher: Dispatcher | None = None
 
+    def __attrs_post_init__(self) -> None:
+        _expect("RankConfig", "relay", self.relay, RelayConfig)
+        _expect("RankConfig", "group", self.group, dp.AgreementGroup)
+
     @property
     def is_last_stage(self) -> bool:
         return self.relay.is_last_stage
@@ -158,6 +162,26 @@ class ShapeFacts:
     uniform_token_count: int | None = None  # tokens per request of a uniform decode batch
     max_query_len: int | None = None  # per-request query-length bound, None: not tracked
     need_eager: bool = False  # force eager (a profile run)
+
+    def __attrs_post_init__(self) -> None:
+        _check_shape(self)
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _check_shape(shape: ShapeFacts) -> None:
+    """Checked once, at the boundary: a float or a bool would reach the DP table."""
+    for name in ("num_tokens", "uniform_token_count", "max_query_len"):
+        value = getattr(shape, name)
+        if value is None and name != "num_tokens":
+            continue
+        if type(value) is not int or not 0 <= value <= _INT32_MAX:
+            raise InvalidInputError(
+                "ShapeFacts", f"{name}={value!r}", f"pass {name} as an int in 0..{_INT32_MAX}"
+            )
+    if type(shape.need_eager) is not bool:
+        raise InvalidInputError("ShapeFacts", f"need_eager={shape.need_eager!r}", "pass a bool")
 
 
 @attrs.frozen(kw_only=True)
@@ -194,13 +218,31 @@ class Sampled(Generic[T]):
     draft_table: T | None = None  # [max_num_reqs, spec] int64 by slot, when speculating
 
 
+def _expect(call: str, name: str, value: object, kind: type) -> None:
+    """The phases' boundary check: each takes only the value the one before returned."""
+    if type(value) is not kind:
+        raise InvalidInputError(
+            call, f"{name} is a {type(value).__name__}", f"pass the {kind.__name__} it expects"
+        )
+
+
+def _expect_io(call: str, io: object) -> None:
+    if not all(callable(getattr(io, m, None)) for m in ("bind", "spec", "upload", "host_table")):
+        raise InvalidInputError(
+            call, f"io is a {type(io).__name__}", "pass a StepIO (e.g. NumpyIO or TorchIO)"
+        )
+
+
 def init_rank(config: RankConfig) -> RankState:
     """The state before step 0."""
+    _expect("init_rank", "config", config, RankConfig)
     return RankState(relay=init_relay(config.relay))
 
 
 def begin(config: RankConfig, state: RankState, steps: RankSteps = REAL_STEPS) -> StepPhase[Begun]:
     """Phase 1: consume the relay entry from `ring_depth` steps ago (non-last stages)."""
+    _expect("begin", "config", config, RankConfig)
+    _expect("begin", "state", state, RankState)
     if config.is_last_stage:
         return Begun(relay=state.relay, lanes=state.lanes, consumed=None)
     taken = steps.consume(config.relay, state.relay, update_drafts=config.updates_drafts)
@@ -223,6 +265,12 @@ def agree(
     Every rank takes part, idle or not: a rank that skipped the all-reduce would leave
     the group one collective apart. The drafter reuses the agreement (no collective).
     """
+    call = "agree"
+    _expect(call, "config", config, RankConfig)
+    _expect(call, "begun", begun, Begun)
+    _expect(call, "batch", batch, BatchFacts)
+    _expect(call, "shape", shape, ShapeFacts)
+    _expect_io(call, io)
     relay = steps.free(config.relay, begun.relay, freed).state
     facts = dp.RankBatch(
         num_reqs=batch.num_reqs,
@@ -237,7 +285,8 @@ def agree(
     lanes, target = yield from _settle(started, io)
     drafter = None
     if config.drafter_dispatcher is not None:
-        reuse = attrs.evolve(facts, dp_sync=target.sync)
+        # The drafter runs the target's agreed shape: its padded token count.
+        reuse = attrs.evolve(facts, num_tokens=target.descriptor.num_tokens, dp_sync=target.sync)
         started = steps.start_agreement(
             lanes,
             config.group,
@@ -276,6 +325,12 @@ def finish(
     `sampled` is the last stage's outputs, None when its forward produced nothing (an
     idle step). A fresh slot mapping is bound each step: the ring keeps it until consumed.
     """
+    call = "finish"
+    _expect(call, "config", config, RankConfig)
+    _expect(call, "agreed", agreed, Agreed)
+    _expect_io(call, io)
+    if sampled is not None:
+        _expect(call, "sampled", sampled, Sampled)
     relay_config = config.relay
     inputs = relay_config.inputs
     batch = agreed.batch
