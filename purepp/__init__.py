@@ -68,9 +68,9 @@ from purepp.relay import (
 from purepp.step import Step
 
 __all__ = [
+    "Agreed",
     "AgreementGroup",
     "AgreementLanes",
-    "Agreed",
     "BatchExecutionDescriptor",
     "BatchFacts",
     "Begun",
