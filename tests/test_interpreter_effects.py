@@ -204,6 +204,12 @@ def test_a_pack_that_does_not_fit_is_refused_before_anything_changes(kind: str, 
         either.read(WIRE)
 
 
+def test_a_two_dimensional_source_is_unpacked_by_its_bytes(either: Either) -> None:
+    either.bind(WIRE, expected_wire().reshape(4, 4))  # the same bytes, as [4, 4] int64
+    either.perform((unpack(),))
+    np.testing.assert_array_equal(either.read(SEEN_COUNTS), COUNTS_VALUES)
+
+
 @pytest.mark.parametrize("kind", ["numpy", "checked"])
 def test_an_unpack_past_the_source_is_refused(kind: str) -> None:
     either = Either(kind)
