@@ -32,7 +32,7 @@ d = pp frees it just after its tokens were consumed (kept: the boundary case).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import attrs
@@ -46,6 +46,7 @@ from purepp.effects.arrays import ARRAY_EQ, IntArray, arrays_equal, int32_array,
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.io import NumpyIO
 from purepp.effects.log import EffectLog, Layout, LogHeader, Recorder
+from purepp.effects.numpy_interpreter import describe_effect
 from purepp.effects.simulator import RankContext, RankProgram, SimulationResult, simulate
 from purepp.effects.vocabulary import BufferRef, DType, Effect, TensorSpec
 from purepp.errors import ConfigError, InvalidInputError
@@ -79,6 +80,7 @@ __all__ = [
     "ScriptedIO",
     "ScriptedRun",
     "TorchTensors",
+    "assert_effect_sequence",
     "drive",
     "make_schedule",
     "rank_config",
@@ -748,3 +750,51 @@ def record_scripted_logs(
         record_scripted_rank(schedule, rank, steps_for(rank))
         for rank in range(schedule.world.world_size)
     )
+
+
+# -- sequence assertions ------------------------------------------------------------------
+
+Expected: TypeAlias = "Effect | type[Effect] | Callable[[Effect], bool]"
+
+
+def _matches(effect: Effect, expected: Expected) -> bool:
+    if isinstance(expected, type):
+        return isinstance(effect, expected)
+    if attrs.has(type(expected)):
+        return effect == expected
+    return bool(expected(effect))  # type: ignore[operator]  # the callable alternative
+
+
+def _shown(expected: Expected) -> str:
+    if isinstance(expected, type):
+        return f"any {expected.__name__}"
+    if attrs.has(type(expected)):
+        return repr(expected)
+    return f"an effect satisfying {getattr(expected, '__name__', repr(expected))}"
+
+
+def assert_effect_sequence(actual: Sequence[Effect], expected: Sequence[Expected]) -> None:
+    """Assert that `actual` is exactly `expected`, item by item.
+
+    Each expected item is an effect (equal), an effect class (any effect of that kind),
+    or a predicate. On a mismatch the AssertionError prints the whole actual sequence,
+    marks where it went wrong, and names the next expected effect.
+    """
+    for index in range(max(len(actual), len(expected))):
+        got = actual[index] if index < len(actual) else None
+        want = expected[index] if index < len(expected) else None
+        if got is not None and want is not None and _matches(got, want):
+            continue
+        lines = [
+            f"{'>>' if i == index else '  '} {i:3d} {describe_effect(e)}  [step {e.step}, "
+            f"{e.op.value}]"
+            for i, e in enumerate(actual)
+        ]
+        if got is None:
+            lines.append(f">> {index:3d} (the sequence ends here)")
+        where = f"effect {index} of {len(actual)}"
+        next_expected = "nothing more" if want is None else _shown(want)
+        raise AssertionError(
+            f"effect sequence differs at {where}; next expected: {next_expected}\n"
+            + "\n".join(lines)
+        )

@@ -1,0 +1,55 @@
+"""purepp.testing's sequence assertions: a pass is silent, a mismatch shows the whole log."""
+
+from __future__ import annotations
+
+import pytest
+
+from purepp.batch import BatchFacts
+from purepp.effects.vocabulary import (
+    Alias,
+    Allocate,
+    Broadcast,
+    Effect,
+    RecordEvent,
+    RecordStream,
+    Unpack,
+    WaitStream,
+)
+from purepp.relay import RelayConfig, consume_previous_step, init_relay, receive
+from purepp.testing import assert_effect_sequence
+
+
+def _receive_effects() -> tuple[Effect, ...]:
+    config = RelayConfig.for_stage(pp_size=2, stage=0, max_num_reqs=4)
+    state = consume_previous_step(config, init_relay(config)).state
+    batch = BatchFacts(
+        idx_mapping=[0], num_computed_tokens=[3], num_scheduled_tokens=[1], prefill_len=[3]
+    )
+    return tuple(receive(config, state, batch).effects)
+
+
+def _is_relay_wait(effect: Effect) -> bool:
+    return isinstance(effect, WaitStream) and effect.stream.value == "relay"
+
+
+def test_a_matching_sequence_of_kinds_values_and_predicates_passes() -> None:
+    effects = _receive_effects()
+    kinds = [Allocate, Allocate, Broadcast, Broadcast, RecordEvent, Unpack]
+    assert_effect_sequence(
+        effects, [_is_relay_wait, *kinds, RecordStream, RecordStream, effects[-1]]
+    )
+
+
+def test_a_mismatch_marks_the_effect_and_names_the_next_expected_one() -> None:
+    with pytest.raises(AssertionError) as caught:
+        assert_effect_sequence(_receive_effects(), [WaitStream, Allocate, Broadcast])
+    text = str(caught.value)
+    assert "differs at effect 2 of 10; next expected: any Broadcast" in text
+    assert ">>   2 allocate('relay.step0.counts')" in text
+    assert text.count("\n") == 10  # the whole sequence is shown
+
+
+def test_a_sequence_that_ends_early_says_so() -> None:
+    effects = _receive_effects()
+    with pytest.raises(AssertionError, match="the sequence ends here"):
+        assert_effect_sequence(effects[:2], [WaitStream, Allocate, Alias])
