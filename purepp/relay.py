@@ -187,13 +187,15 @@ def _check_config(config: RelayConfig) -> None:
 def _check_buckets(config: RelayConfig) -> None:
     call = "RelayConfig"
     buckets = config.buckets
+    if type(buckets) is not tuple:
+        raise ConfigError(call, f"buckets={buckets!r}", "pass a tuple of row counts")
     if config.wire is not Wire.FIXED:
         if buckets:
             raise ConfigError(
                 call, f"buckets={buckets} with wire={config.wire.value}", "buckets need Wire.FIXED"
             )
         return
-    if type(buckets) is not tuple or not buckets:
+    if not buckets:
         raise ConfigError(call, f"buckets={buckets!r}", "pass a non-empty tuple of row counts")
     sizes = [_strict_int(call, "bucket", b, 1) for b in buckets]
     if sizes != sorted(set(sizes)) or sizes[-1] < config.max_num_reqs:
@@ -352,6 +354,17 @@ def relay_header(step: int, num_reqs: int) -> IntArray:
     The last stage sends it; each receiver expects it from its own step counter and
     batch, so both sides compute it from the facts they must already share.
     """
+    if (
+        type(step) is not int
+        or type(num_reqs) is not int
+        or step < 0
+        or not 0 <= num_reqs <= _INT32_MAX
+    ):
+        raise InvalidInputError(
+            "relay_header",
+            f"step={step!r}, num_reqs={num_reqs!r}",
+            f"pass a step >= 0 and a request count in 0..{_INT32_MAX}, as ints",
+        )
     out: IntArray = frozen(np.array([step % _HEADER_STEP_MODULUS, num_reqs], dtype=np.int32))
     return out
 
@@ -409,6 +422,11 @@ def end_step(config: RelayConfig, state: RelayState) -> Step[RelayState, None]:
 
 def free_request_slot(config: RelayConfig, state: RelayState, slot: int) -> Step[RelayState, None]:
     """Bump `slot`'s generation: pending receives for its old request are dropped at consume."""
+    given: object = slot  # a caller's value, whatever its annotation says
+    if type(given) is not int and not isinstance(given, np.integer):
+        raise InvalidInputError(
+            "free_request_slot", f"slot={slot!r} is a {type(slot).__name__}", "pass one int slot"
+        )
     return free_request_slots(config, state, (slot,))
 
 
@@ -1168,10 +1186,16 @@ def relay_aux_hidden_states(
 ) -> dict[str, T]:
     """The outgoing intermediate tensors plus the configured auxiliary hidden states
     carried through from the incoming ones (EAGLE-3 reads them on the last stage)."""
+    call = "relay_aux_hidden_states"
+    _check_config_type(call, config)
+    for name, given in (("incoming", incoming), ("outgoing", outgoing)):
+        if not isinstance(given, Mapping) and not (name == "incoming" and given is None):
+            raise InvalidInputError(
+                call, f"{name} is a {type(given).__name__}", f"pass {name} as a dict of tensors"
+            )
     keys = config.aux_hidden_state_keys
     if not keys:
         return dict(outgoing)
-    call = "relay_aux_hidden_states"
     if incoming is None:
         raise InvalidInputError(
             call,
@@ -1182,7 +1206,7 @@ def relay_aux_hidden_states(
     if missing:
         raise InvalidInputError(
             call,
-            f"incoming intermediate tensors lack {missing} (have {sorted(incoming)})",
+            f"incoming intermediate tensors lack {missing} (have {sorted(map(str, incoming))})",
             "relay the configured keys from every stage",
         )
     return {**outgoing, **{key: incoming[key] for key in keys}}
