@@ -13,7 +13,15 @@ A decode step on a rank of a PP x DP world is, in this order:
 
 The phases hand each other typed values (`Begun`, `Agreed`), so a step cannot skip the
 agreement, agree twice, or forget to end: each phase takes only what the one before it
-returned. Each phase is a generator of effect tuples: the caller's driver performs every
+returned.
+
+`agree` is two halves that may be pulled apart: `start_agreement_phase` issues the
+all-reduce (asynchronously by default) and `settle` waits for it and decides. A runner
+that knows the next step's batch early starts that step's agreement during this step's
+forward (`start_next_agreement`, recorded on `Agreed.ahead`, carried by `RankState` and
+`Begun`) and settles it at the top of the next step, so the wait hides behind the
+forward. The lanes travel inside those values: a second start while one is in flight is
+a `dp.LaneBusyError`. Each phase is a generator of effect tuples: the caller's driver performs every
 tuple before resuming it. `RankDriver` performs them at once on an interpreter (torch on
 CUDA or gloo, numpy, a recorder); the simulator's rank programs `yield from` the same
 phases. Tensors cross through a small seam, `StepIO`: bind the caller's tensors under
@@ -54,6 +62,7 @@ from purepp.step import Step
 
 __all__ = [
     "Agreed",
+    "Agreeing",
     "Begun",
     "RankConfig",
     "RankDriver",
@@ -68,6 +77,9 @@ __all__ = [
     "finish",
     "init_rank",
     "perform_phase",
+    "settle",
+    "start_agreement_phase",
+    "start_next_agreement",
 ]
 
 T = TypeVar("T")
@@ -143,11 +155,23 @@ class RankConfig:
 
 
 @attrs.frozen(kw_only=True)
+class Agreeing:
+    """A step's target agreement in flight: `settle` completes it at the top of that step."""
+
+    step: int  # the decode step whose batch shape it agrees
+    batch: BatchFacts  # that step's batch
+    facts: dp.RankBatch  # this rank's facts, which the drafter's agreement reuses
+    pending: dp.PendingAgreement  # the target lane's started agreement
+
+
+@attrs.frozen(kw_only=True)
 class RankState:
-    """Between steps: the relay's state and the agreement lanes (free between steps)."""
+    """Between steps: the relay's state, the agreement lanes, and the next step's
+    agreement when it was started during the step before (its lane is then busy)."""
 
     relay: RelayState
     lanes: dp.AgreementLanes = _FREE_LANES
+    agreeing: Agreeing | None = None  # the step about to begin's agreement, started early
 
     @property
     def step(self) -> int:
@@ -191,6 +215,7 @@ class Begun:
     relay: RelayState  # the relay after the consume
     lanes: dp.AgreementLanes  # the agreement lanes
     consumed: ConsumedOutputs | None  # what the entry still holds for the caller, if anything
+    agreeing: Agreeing | None = None  # this step's agreement, once started: `settle` it
 
 
 @attrs.frozen(kw_only=True)
@@ -202,6 +227,7 @@ class Agreed:
     batch: BatchFacts  # the step's batch, replicated on the pipeline's stages
     target: dp.DispatchOutcome  # the target model's descriptor and agreement
     drafter: dp.DispatchOutcome | None  # the drafter's, reusing the target's agreement
+    ahead: Agreeing | None = None  # the next step's agreement, started during this forward
 
     @property
     def descriptor(self) -> BatchExecutionDescriptor:
@@ -226,6 +252,13 @@ def _expect(call: str, name: str, value: object, kind: type) -> None:
         )
 
 
+def _check_agree(call: str, config: object, begun: object, batch: object, shape: object) -> None:
+    _expect(call, "config", config, RankConfig)
+    _expect(call, "begun", begun, Begun)
+    _expect(call, "batch", batch, BatchFacts)
+    _expect(call, "shape", shape, ShapeFacts)
+
+
 def _expect_io(call: str, io: object) -> None:
     if not all(callable(getattr(io, m, None)) for m in ("bind", "spec", "upload", "host_table")):
         raise InvalidInputError(
@@ -244,10 +277,12 @@ def begin(config: RankConfig, state: RankState, steps: RankSteps = REAL_STEPS) -
     _expect("begin", "config", config, RankConfig)
     _expect("begin", "state", state, RankState)
     if config.is_last_stage:
-        return Begun(relay=state.relay, lanes=state.lanes, consumed=None)
+        return Begun(relay=state.relay, lanes=state.lanes, consumed=None, agreeing=state.agreeing)
     taken = steps.consume(config.relay, state.relay, update_drafts=config.updates_drafts)
     yield taken.effects
-    return Begun(relay=taken.state, lanes=state.lanes, consumed=taken.result)
+    return Begun(
+        relay=taken.state, lanes=state.lanes, consumed=taken.result, agreeing=state.agreeing
+    )
 
 
 def agree(
@@ -264,14 +299,69 @@ def agree(
 
     Every rank takes part, idle or not: a rank that skipped the all-reduce would leave
     the group one collective apart. The drafter reuses the agreement (no collective).
+    The start and the settle at once, with a synchronous all-reduce (no work handle).
     """
-    call = "agree"
-    _expect(call, "config", config, RankConfig)
-    _expect(call, "begun", begun, Begun)
-    _expect(call, "batch", batch, BatchFacts)
-    _expect(call, "shape", shape, ShapeFacts)
-    _expect_io(call, io)
-    relay = steps.free(config.relay, begun.relay, freed).state
+    _check_agree("agree", config, begun, batch, shape)
+    _expect_io("agree", io)
+    begun = attrs.evolve(begun, relay=steps.free(config.relay, begun.relay, freed).state)
+    begun = yield from start_agreement_phase(
+        config, begun, batch, shape, asynchronous=False, steps=steps
+    )
+    return (yield from _settled(config, begun, io, steps))
+
+
+def start_agreement_phase(
+    config: RankConfig,
+    begun: Begun,
+    batch: BatchFacts,
+    shape: ShapeFacts,
+    *,
+    asynchronous: bool = True,
+    steps: RankSteps = REAL_STEPS,
+) -> StepPhase[Begun]:
+    """Phase 2a: start agreeing this step's `batch` shape; `settle` it later in the step.
+
+    With `asynchronous` the all-reduce carries a work handle, so work issued before the
+    settle overlaps it. Raises `dp.LaneBusyError` when this step's agreement is already
+    in flight (started by `start_next_agreement` during the step before): settle that one.
+    """
+    _check_agree("start_agreement_phase", config, begun, batch, shape)
+    lanes, agreeing = yield from _start(
+        config, begun.lanes, begun.relay.step, batch, shape, asynchronous, steps
+    )
+    return attrs.evolve(begun, lanes=lanes, agreeing=agreeing)
+
+
+def start_next_agreement(
+    config: RankConfig,
+    agreed: Agreed,
+    batch: BatchFacts,
+    shape: ShapeFacts,
+    *,
+    steps: RankSteps = REAL_STEPS,
+) -> StepPhase[Agreed]:
+    """Start agreeing the NEXT step's `batch` shape now, asynchronously, so the all-reduce
+    runs while this step's forward does; `finish` carries it into the next step, whose
+    `settle` completes it.
+
+    Every rank of the group must start it at the same point of the same step (the
+    collectives pair in issue order). Raises `dp.LaneBusyError` when the next step's
+    agreement is already in flight.
+    """
+    step = agreed.relay.step + 1
+    lanes, agreeing = yield from _start(config, agreed.lanes, step, batch, shape, True, steps)
+    return attrs.evolve(agreed, lanes=lanes, ahead=agreeing)
+
+
+def _start(
+    config: RankConfig,
+    lanes: dp.AgreementLanes,
+    step: int,
+    batch: BatchFacts,
+    shape: ShapeFacts,
+    asynchronous: bool,
+    steps: RankSteps,
+) -> StepPhase[tuple[dp.AgreementLanes, Agreeing]]:
     facts = dp.RankBatch(
         num_reqs=batch.num_reqs,
         num_tokens=shape.num_tokens,
@@ -280,35 +370,75 @@ def agree(
         need_eager=shape.need_eager,
     )
     started = steps.start_agreement(
-        begun.lanes, config.group, config.dispatcher, facts, step=relay.step
+        lanes, config.group, config.dispatcher, facts, step=step, asynchronous=asynchronous
     )
-    lanes, target = yield from _settle(started, io)
+    yield started.effects
+    agreeing = Agreeing(step=step, batch=batch, facts=facts, pending=started.result)
+    return started.state, agreeing
+
+
+def settle(
+    config: RankConfig,
+    begun: Begun,
+    io: StepIO[T],
+    *,
+    freed: Sequence[int] | npt.NDArray[np.integer] = (),
+    steps: RankSteps = REAL_STEPS,
+) -> StepPhase[Agreed]:
+    """Phase 2b: free `freed` slots, then complete this step's agreement (`begun.agreeing`).
+
+    Waits for the all-reduce, decides from the reduced table, then lets the drafter
+    reuse that decision. Raises InvalidInputError when no agreement of this step is in
+    flight.
+    """
+    agreeing = begun.agreeing
+    step = begun.relay.step
+    if agreeing is None or agreeing.step != step:
+        started = "none" if agreeing is None else f"step {agreeing.step}'s"
+        raise InvalidInputError(
+            "settle",
+            f"step {step} has {started} agreement in flight, not its own",
+            "start this step's agreement first (start_agreement_phase, or "
+            "start_next_agreement during the step before)",
+        )
+    begun = attrs.evolve(begun, relay=steps.free(config.relay, begun.relay, freed).state)
+    return (yield from _settled(config, begun, io, steps))
+
+
+def _settled(
+    config: RankConfig, begun: Begun, io: StepIO[T], steps: RankSteps
+) -> StepPhase[Agreed]:
+    """The settle after the frees: the target's decision, then the drafter's reuse of it."""
+    agreeing = begun.agreeing
+    if agreeing is None:  # unreachable: both callers start or check it first
+        raise InvalidInputError("settle", "no agreement in flight", "start one first")
+    lanes, target = yield from _complete(begun.lanes, agreeing.pending, io)
     drafter = None
     if config.drafter_dispatcher is not None:
-        # The drafter runs the target's agreed shape: its padded token count.
-        reuse = attrs.evolve(facts, num_tokens=target.descriptor.num_tokens, dp_sync=target.sync)
+        reuse = attrs.evolve(agreeing.facts, dp_sync=target.sync)
         started = steps.start_agreement(
             lanes,
             config.group,
             config.drafter_dispatcher,
             reuse,
-            step=relay.step,
+            step=agreeing.step,
             lane=dp.Lane.DRAFTER,
         )
-        lanes, drafter = yield from _settle(started, io)
-    return Agreed(relay=relay, lanes=lanes, batch=batch, target=target, drafter=drafter)
+        yield started.effects
+        lanes, drafter = yield from _complete(started.state, started.result, io)
+    return Agreed(
+        relay=begun.relay, lanes=lanes, batch=agreeing.batch, target=target, drafter=drafter
+    )
 
 
-def _settle(
-    started: dp.AgreementStarted, io: StepIO[T]
+def _complete(
+    lanes: dp.AgreementLanes, pending: dp.PendingAgreement, io: StepIO[T]
 ) -> StepPhase[tuple[dp.AgreementLanes, dp.DispatchOutcome]]:
-    """Perform a started agreement's all-reduce, wait for it, and decide from its table."""
-    pending = started.result
-    yield started.effects
+    """Wait for a started agreement's all-reduce and decide from its table."""
     waited = dp.wait_for_agreement(pending)
     yield waited.effects
     table = None if waited.result is None else io.host_table(waited.result)
-    finished = dp.finish_agreement(started.state, pending, table)
+    finished = dp.finish_agreement(lanes, pending, table)
     yield finished.effects
     return finished.state, finished.result
 
@@ -353,7 +483,7 @@ def finish(
         )
     ended = steps.end_step(relay_config, relay)
     yield ended.effects
-    return RankState(relay=ended.state, lanes=agreed.lanes)
+    return RankState(relay=ended.state, lanes=agreed.lanes, agreeing=agreed.ahead)
 
 
 def _broadcast(
@@ -414,6 +544,16 @@ class RankDriver(Generic[T]):
     agreed = driver.agree(begun, batch, shape, freed=slots)
     ...forward at agreed.descriptor...
     state = driver.finish(agreed, sampled)   # Sampled(...) on the last stage, else None
+
+    Overlapped, with the next step's batch known before this step's forward:
+
+    begun = driver.begin(state)
+    if begun.agreeing is None:               # the first step: nothing was started ahead
+        begun = driver.start(begun, batch, shape)
+    agreed = driver.settle(begun, freed=slots)
+    agreed = driver.start_next(agreed, next_batch, next_shape)
+    ...forward at agreed.descriptor...
+    state = driver.finish(agreed, sampled)
     """
 
     def __init__(
@@ -443,6 +583,20 @@ class RankDriver(Generic[T]):
             agree(self.config, begun, batch, shape, self.io, freed=freed, steps=self.steps),
             self.interpreter,
         )
+
+    def start(self, begun: Begun, batch: BatchFacts, shape: ShapeFacts) -> Begun:
+        phase = start_agreement_phase(self.config, begun, batch, shape, steps=self.steps)
+        return perform_phase(phase, self.interpreter)
+
+    def start_next(self, agreed: Agreed, batch: BatchFacts, shape: ShapeFacts) -> Agreed:
+        phase = start_next_agreement(self.config, agreed, batch, shape, steps=self.steps)
+        return perform_phase(phase, self.interpreter)
+
+    def settle(
+        self, begun: Begun, *, freed: Sequence[int] | npt.NDArray[np.integer] = ()
+    ) -> Agreed:
+        phase = settle(self.config, begun, self.io, freed=freed, steps=self.steps)
+        return perform_phase(phase, self.interpreter)
 
     def finish(self, agreed: Agreed, sampled: Sampled[T] | None = None) -> RankState:
         phase = finish(self.config, agreed, self.io, sampled, self.steps)
