@@ -91,85 +91,136 @@ class Role:
 
 
 def abstract(effects: tuple[Effect, ...]) -> tuple[Structure, list[Name]]:
-    """The batch's structure, and its names by position (the bindings of this run)."""
+    """The batch's structure, and its names by position (the bindings of this run).
+
+    Runs on every batch, so it is written for speed: one function per kind from a dict,
+    each name's position by one `setdefault` (its first use numbers it), enums by value.
+    """
     positions: dict[Name, int] = {}
-    structure = tuple([_part(effect, positions) for effect in effects])
+    at, size, parts = positions.setdefault, positions.__len__, _PARTS
+    structure = tuple([parts[type(effect)](effect, at, size) for effect in effects])
     return structure, list(positions)
 
 
-def _part(effect: Effect, positions: dict[Name, int]) -> Hashable:
-    """One effect's share of the structure: its kind, static fields and name positions.
-
-    Runs on every batch, so it is written for speed: the commonest kinds first, each
-    name's position by one `setdefault` (first use numbers it), enums by their values.
-    """
-    at = positions.setdefault
-    match effect:
-        case Release():
-            return (11, at(effect.buffer, len(positions)))
-        case Broadcast():
-            buffer = at(effect.buffer, len(positions))
-            comm, stream = effect.comm._value_, effect.stream._value_
-            return (6, buffer, effect.shape, effect.dtype._value_, effect.src, comm, stream)
-        case Allocate():
-            buffer = at(effect.buffer, len(positions))
-            return (4, buffer, effect.shape, effect.dtype._value_, effect.stream._value_)
-        case RecordStream():
-            return (10, at(effect.buffer, len(positions)), effect.stream._value_)
-        case WaitStream():
-            return (0, effect.stream._value_, effect.waits_for._value_)
-        case RecordEvent():
-            return (1, effect.stream._value_, at(effect.event, len(positions)))
-        case WaitEvent():
-            return (2, effect.stream._value_, at(effect.event, len(positions)))
-        case ForgetEvent():
-            return (3, at(effect.event, len(positions)))
-        case CopyHostToDevice():
-            buffer = at(effect.buffer, len(positions))
-            return (5, effect.source.shape, buffer, effect.stream._value_)
-        case CheckHeader():
-            buffer = at(effect.buffer, len(positions))
-            return (7, buffer, effect.expected.shape, effect.stream._value_)
-        case AllReduce():
-            result = at(effect.result, len(positions))
-            work = None if effect.work is None else at(effect.work, len(positions))
-            return (8, effect.contribution.shape, result, effect.comm._value_, work)
-        case WaitWork():
-            return (9, at(effect.work, len(positions)))
-        case Alias():
-            source = at(effect.source, len(positions))
-            return (12, source, at(effect.out, len(positions)))
-        case PadColumns():
-            source = at(effect.source, len(positions))
-            out = at(effect.out, len(positions))
-            return (13, source, out, effect.width, effect.fill, effect.stream._value_)
-        case StackRows():
-            sources = tuple([at(ref, len(positions)) for ref in effect.sources])
-            return (14, sources, at(effect.out, len(positions)), effect.stream._value_)
-        case GatherRows():
-            source, index = at(effect.source, len(positions)), at(effect.index, len(positions))
-            return (15, source, index, at(effect.out, len(positions)), effect.stream._value_)
-        case ScatterRows():
-            source, index = at(effect.source, len(positions)), at(effect.index, len(positions))
-            return (16, source, index, at(effect.target, len(positions)), effect.stream._value_)
-        case Synchronize():
-            return (17, effect.stream._value_)
-        case Pack():
-            sections = _sections(effect.sections, positions)
-            out = at(effect.out, len(positions))
-            return (18, sections, out, effect.nbytes, effect.stream._value_)
-        case Unpack():
-            source = at(effect.source, len(positions))
-            return (19, source, _sections(effect.sections, positions), effect.stream._value_)
-        case _:
-            typing.assert_never(effect)
+At: TypeAlias = Callable[[Name, int], int]  # dict.setdefault of the positions
+Size: TypeAlias = Callable[[], int]  # their count: the next position
 
 
-def _sections(sections: tuple[Section, ...], positions: dict[Name, int]) -> Hashable:
-    at = positions.setdefault
-    return tuple(
-        [(at(s.buffer, len(positions)), s.offset, s.shape, s.dtype._value_) for s in sections]
-    )
+def _release(e: Release, at: At, n: Size) -> Hashable:
+    return (11, at(e.buffer, n()))
+
+
+def _broadcast(e: Broadcast, at: At, n: Size) -> Hashable:
+    wire = (e.shape, e.dtype._value_, e.src, e.comm._value_, e.stream._value_)
+    return (6, at(e.buffer, n()), wire)
+
+
+def _allocate(e: Allocate, at: At, n: Size) -> Hashable:
+    return (4, at(e.buffer, n()), e.shape, e.dtype._value_, e.stream._value_)
+
+
+def _record_stream(e: RecordStream, at: At, n: Size) -> Hashable:
+    return (10, at(e.buffer, n()), e.stream._value_)
+
+
+def _wait_stream(e: WaitStream, at: At, n: Size) -> Hashable:
+    return (0, e.stream._value_, e.waits_for._value_)
+
+
+def _record_event(e: RecordEvent, at: At, n: Size) -> Hashable:
+    return (1, e.stream._value_, at(e.event, n()))
+
+
+def _wait_event(e: WaitEvent, at: At, n: Size) -> Hashable:
+    return (2, e.stream._value_, at(e.event, n()))
+
+
+def _forget_event(e: ForgetEvent, at: At, n: Size) -> Hashable:
+    return (3, at(e.event, n()))
+
+
+def _copy_host_to_device(e: CopyHostToDevice, at: At, n: Size) -> Hashable:
+    # The host values are a binding; their shape is structure.
+    return (5, e.source.shape, at(e.buffer, n()), e.stream._value_)
+
+
+def _check_header(e: CheckHeader, at: At, n: Size) -> Hashable:
+    return (7, at(e.buffer, n()), e.expected.shape, e.stream._value_)
+
+
+def _all_reduce(e: AllReduce, at: At, n: Size) -> Hashable:
+    result = at(e.result, n())
+    work = None if e.work is None else at(e.work, n())
+    return (8, e.contribution.shape, result, e.comm._value_, work)
+
+
+def _wait_work(e: WaitWork, at: At, n: Size) -> Hashable:
+    return (9, at(e.work, n()))
+
+
+def _alias(e: Alias, at: At, n: Size) -> Hashable:
+    return (12, at(e.source, n()), at(e.out, n()))
+
+
+def _pad_columns(e: PadColumns, at: At, n: Size) -> Hashable:
+    return (13, at(e.source, n()), at(e.out, n()), e.width, e.fill, e.stream._value_)
+
+
+def _stack_rows(e: StackRows, at: At, n: Size) -> Hashable:
+    sources = tuple([at(ref, n()) for ref in e.sources])
+    return (14, sources, at(e.out, n()), e.stream._value_)
+
+
+def _gather_rows(e: GatherRows, at: At, n: Size) -> Hashable:
+    return (15, at(e.source, n()), at(e.index, n()), at(e.out, n()), e.stream._value_)
+
+
+def _scatter_rows(e: ScatterRows, at: At, n: Size) -> Hashable:
+    return (16, at(e.source, n()), at(e.index, n()), at(e.target, n()), e.stream._value_)
+
+
+def _synchronize(e: Synchronize, at: At, n: Size) -> Hashable:
+    return (17, e.stream._value_)
+
+
+def _sections(sections: tuple[Section, ...], at: At, n: Size) -> Hashable:
+    return tuple([(at(s.buffer, n()), s.offset, s.shape, s.dtype._value_) for s in sections])
+
+
+def _pack(e: Pack, at: At, n: Size) -> Hashable:
+    sections = _sections(e.sections, at, n)
+    return (18, sections, at(e.out, n()), e.nbytes, e.stream._value_)
+
+
+def _unpack(e: Unpack, at: At, n: Size) -> Hashable:
+    return (19, at(e.source, n()), _sections(e.sections, at, n), e.stream._value_)
+
+
+# One entry per kind of the closed Effect union (checked below, at import).
+_PARTS: dict[type, Callable[[Any, At, Size], Hashable]] = {
+    Release: _release,
+    Broadcast: _broadcast,
+    Allocate: _allocate,
+    RecordStream: _record_stream,
+    WaitStream: _wait_stream,
+    RecordEvent: _record_event,
+    WaitEvent: _wait_event,
+    ForgetEvent: _forget_event,
+    CopyHostToDevice: _copy_host_to_device,
+    CheckHeader: _check_header,
+    AllReduce: _all_reduce,
+    WaitWork: _wait_work,
+    Alias: _alias,
+    PadColumns: _pad_columns,
+    StackRows: _stack_rows,
+    GatherRows: _gather_rows,
+    ScatterRows: _scatter_rows,
+    Synchronize: _synchronize,
+    Pack: _pack,
+    Unpack: _unpack,
+}
+if set(_PARTS) != set(typing.get_args(Effect)):  # a new effect kind needs its structure
+    raise AssertionError(f"plan.abstract misses {set(typing.get_args(Effect)) - set(_PARTS)}")
 
 
 def _uses(effect: Effect) -> tuple[tuple[Name, int], ...]:
