@@ -125,6 +125,9 @@ class _RankReplay:
         self.stream = stream
         self.header: LogHeader = stream.header
         self.rank = stream.header.rank
+        world = stream.header.world
+        # the other stages of its pipeline: it may not run too far ahead of them
+        self.peers = tuple(r for r in world.pipeline(world.dp_index(self.rank)) if r != self.rank)
         self.lanes = lanes
         # Records that never wait come as their step and kind only (see LOCAL_KINDS).
         self._items = stream.scan(LOCAL_KINDS)
@@ -242,11 +245,8 @@ class _Check:
     def _held_back_by(self, rank: _RankReplay, step: int) -> tuple[int, ...]:
         """Pipeline peers too far behind for `rank` to issue an effect of `step`."""
         limit = step - self._in_flight
-        peers = self._world.pipeline(self._world.dp_index(rank.rank))
         behind = []
-        for peer in peers:
-            if peer == rank.rank:
-                continue
+        for peer in rank.peers:
             progress = self._ranks[peer].progress()
             if progress is not None and progress <= limit:
                 behind.append(peer)

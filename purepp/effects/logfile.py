@@ -280,9 +280,10 @@ class LogStream:
             effect = build_checked_effect(kind, value["effect"])
         except (ValueError, OverflowError):
             return step, kind, self._record(line, numbering).effect  # raises the full error
-        expected = numbering.number(effect)
-        if expected.seq != seq or expected.comm_seq != value["comm_seq"]:
+        expected_seq, expected_comm_seq = numbering.expect(effect)
+        if expected_seq != seq or expected_comm_seq != value["comm_seq"]:
             record = LogRecord(seq=seq, comm_seq=value["comm_seq"], effect=effect)
+            expected = LogRecord(seq=expected_seq, comm_seq=expected_comm_seq, effect=effect)
             raise self._fail(self.lines_read, str(numbering_problem(record, expected)))
         return step, kind, None if kind in local_kinds else effect
 

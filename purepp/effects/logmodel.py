@@ -147,6 +147,16 @@ class Numbering:
         """The `seq` the next record gets."""
         return self._next_seq
 
+    def expect(self, effect: Effect) -> tuple[int, int | None]:
+        """(seq, comm_seq) for `effect` as the next record, as `number` gives (no record)."""
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        if not isinstance(effect, COLLECTIVES):
+            return seq, None
+        comm_seq = self._next_comm_seq.get(effect.comm, 0)
+        self._next_comm_seq[effect.comm] = comm_seq + 1
+        return seq, comm_seq
+
     def skip_local(self) -> None:
         """Count one record that is not a collective, without building it."""
         self._next_seq += 1
