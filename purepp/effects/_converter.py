@@ -405,13 +405,20 @@ def _fast_array(value: Mapping[str, Any]) -> IntArray:
 
 
 def _fast_attrs_builder(cls: type) -> Callable[[Any], Any]:
+    # Generated straight-line code, as cattrs does: one call per record, no loop over fields.
     hints = typing.get_type_hints(cls)
-    fields = [(field.name, _fast_builder(hints[field.name])) for field in attrs.fields(cls)]
-
-    def build(value: Mapping[str, Any]) -> Any:
-        return cls(**{name: builder(value[name]) for name, builder in fields})
-
-    return build
+    namespace: dict[str, Any] = {"cls": cls}
+    arguments = []
+    for field in attrs.fields(cls):
+        builder = _fast_builder(hints[field.name])
+        if builder is _same:
+            arguments.append(f"{field.name}=value[{field.name!r}]")
+        else:
+            namespace[f"build_{field.name}"] = builder
+            arguments.append(f"{field.name}=build_{field.name}(value[{field.name!r}])")
+    # The text is built above from field names only.
+    exec(f"def build(value):\n    return cls({', '.join(arguments)})\n", namespace)
+    return typing.cast(Callable[[Any], Any], namespace["build"])
 
 
 _FAST_BUILDERS: Final[Mapping[str, Callable[[Any], Any]]] = {
