@@ -73,9 +73,17 @@ def test_a_consume_is_captured_between_its_wait_and_its_names(interp: TorchInter
     assert len(capturable.kernels) == 2  # the scatter and the gather; the copy is outside
 
 
-def test_host_work_or_cpu_collectives_are_not_captured(interp: TorchInterpreter) -> None:
+def test_host_work_is_kept_out_of_the_graph(interp: TorchInterpreter) -> None:
     agree = plan_of(interp, programs.agree(5))  # a gloo all-reduce and its wait
     assert _analyse(interp, agree) is None
+    # Before or after the device work it runs as eager runs it; between, no capture.
+    consume = programs.consume(5, 5)
+    around = plan_of(interp, (*programs.agree(5), *consume))
+    capturable = _analyse(interp, around)
+    assert capturable is not None
+    assert (capturable.first, capturable.last) == (3, 5)
+    inside = (*consume[:3], *programs.agree(5), *consume[3:])
+    assert _analyse(interp, plan_of(interp, inside)) is None
     releases = plan_of(interp, programs.consume(5, 5)[-4:])  # no device work at all
     assert _analyse(interp, releases) is None
 

@@ -6,9 +6,9 @@ What is captured. A plan's batch splits into a *prefix*, a *device segment* and 
 Pack, Unpack); it may also hold effects that only change names (Release, Alias,
 RecordStream, ForgetEvent). A plan is captured only if:
 - all its device work is on one stream S, and every broadcast runs over an NCCL group;
-- no stream ordering (WaitStream, WaitEvent, RecordEvent) sits inside the segment,
-  so ordering against other streams happens before or after the whole segment;
-- it holds no host work (AllReduce, WaitWork, CheckHeader, Synchronize).
+- no stream ordering (WaitStream, WaitEvent, RecordEvent, ForgetEvent) and no host
+  work (AllReduce, WaitWork, CheckHeader, Synchronize) sits inside the segment: they
+  run, as eager runs them, before or after the whole segment.
 The relay's receive and broadcast batches have this shape. Anything else runs as a plan.
 
 How a replay runs (all on S, with no host sync):
@@ -319,15 +319,15 @@ def _analyse(interp: TorchInterpreter, plan: Plan) -> _Capturable | None:
     effects = plan.effects
     at = {name: position for position, name in enumerate(plan.names)}
     device = [i for i, effect in enumerate(effects) if isinstance(effect, _DEVICE)]
-    if not device or any(isinstance(effect, _HOST) for effect in effects):
+    if not device:
         return None
     first, last = device[0], device[-1]
     segment = _Segment()
     streams: set[Stream] = set()
     for index in range(first, last + 1):
         effect = effects[index]
-        if isinstance(effect, _ORDER):
-            return None
+        if isinstance(effect, _ORDER + _HOST):
+            return None  # ordering or host work between captured kernels
         stream = _lower(interp, effect, index, at, segment)
         if stream is not None:
             streams.add(stream)
