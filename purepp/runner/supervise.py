@@ -55,11 +55,14 @@ _POLL_S = 0.1
 _SETTLE_S = 1.0  # after a failure, for its peers to fail too before blaming one
 _SILENT_S = 2.0  # a live rank this long without a beat, when a peer failed, is frozen
 _STOP_GRACE_S = 3.0  # SIGTERM, then SIGKILL
-# Nothing advanced for the timeout plus this: a hang. Starting (torch's import and the
-# rendezvous, on a loaded machine) and ending (gathering and writing the results) get
-# longer than a step, which a peer would time out.
+# Nothing advanced for the timeout plus a margin: a hang. Starting (torch's import and
+# the rendezvous, on a loaded machine) and ending (gathering and writing the results)
+# get a long one. In the loop, a lone process (the reference) gets a short one; ranks
+# with peers a longer one, so their collective timeouts come first: those leave the
+# rank they waited for as the one still working, which names it best.
 _START_MARGIN_S = 30.0
-_STEP_MARGIN_S = 2.0
+_ALONE_MARGIN_S = 2.0
+_PEERS_MARGIN_S = 10.0
 
 
 class RankFailure(Exception):
@@ -380,7 +383,10 @@ class _World:
         (what catches a stuck reference, which has no peer to time out)."""
         _, total = self.progress()
         in_loop = 0 < self._least_done < total
-        margin = _STEP_MARGIN_S if in_loop else _START_MARGIN_S
+        if not in_loop:
+            margin = _START_MARGIN_S
+        else:
+            margin = _ALONE_MARGIN_S if len(self.ranks) == 1 else _PEERS_MARGIN_S
         limit_s = timeout_s + margin
         if now - self._least_done_at <= limit_s:
             return None
@@ -487,6 +493,8 @@ def worker_argv(settings: RunSettings, log_dir: str | None, trace: str | None) -
     ]
     if settings.validate_header:
         argv.append("--validate-header")
+    if settings.overlap_agreement:
+        argv.append("--overlap-agreement")
     if log_dir is not None:
         argv.append(f"--log-dir={log_dir}")
     if trace is not None:
@@ -496,7 +504,8 @@ def worker_argv(settings: RunSettings, log_dir: str | None, trace: str | None) -
 
 def _reference_world(settings: RunSettings, work: Path, started: list[_Rank]) -> _World:
     """The single-stage run of the same workload (same --steps), without aborts, on CPU."""
-    reference = attrs.evolve(settings, pp=1, dp=1, backend="gloo")
+    # The plain rank step even when the run overlaps its agreement: parity compares the two.
+    reference = attrs.evolve(settings, pp=1, dp=1, backend="gloo", overlap_agreement=False)
     argv = [*worker_argv(reference, None, None), "--reference"]
     return _World("reference", 1, argv, work, started)
 
