@@ -27,9 +27,15 @@ docstrings), with streams modelled explicitly so that ordering bugs show up:
   `RecordStream`, its memory may be reused at once: the array is overwritten
   with `POISON` and the interpreter notes a `LifetimeViolation`.
 
-Names follow the torch interpreter: effects that create a binding refuse a name
-already bound; `bind` replaces; `WaitEvent` and `WaitWork` consume their event or
-work; the table of an asynchronous all-reduce is unreadable until its `WaitWork`.
+- `Synchronize` makes the host wait with the main stream until the named stream has
+  run what it holds (the torch interpreter waits on the CUDA stream; on CPU it has
+  nothing to wait for). `Pack` is a kernel on its stream; `Unpack` binds views of the
+  source's bytes at issue (no work), which share its memory and lifetime.
+
+Names follow the torch interpreter (both keep purepp.effects._environment): effects
+that create a binding refuse a name already bound; `bind` replaces; `WaitEvent` and
+`WaitWork` consume their event or work; the table of an asynchronous all-reduce is
+unreadable until its `WaitWork`.
 """
 
 from __future__ import annotations
