@@ -19,6 +19,7 @@ import torch
 from purepp.effects.log import EffectLog, Recorder, assert_logs_equal
 from purepp.effects.torch_interpreter import Backend, TorchInterpreter, build_communicators
 from purepp.effects.vocabulary import Effect
+from purepp.relay import Wire
 from purepp.testing import (
     RankOutputs,
     ScheduleConfig,
@@ -107,6 +108,13 @@ WORLDS = [
     pytest.param(
         ScheduleConfig(pp=3, dp=1, spec=2, steps=STEPS, seed=22, validate_header=True),
         id="pp3-spec2-header",
+    ),
+    # The opt-in wires: one aligned broadcast per step; the fixed one padded to a bucket.
+    pytest.param(
+        ScheduleConfig(pp=2, dp=1, spec=2, steps=STEPS, seed=21, wire=Wire.PACKED), id="pp2-packed"
+    ),
+    pytest.param(
+        ScheduleConfig(pp=3, dp=1, spec=1, steps=STEPS, seed=22, wire=Wire.FIXED), id="pp3-fixed"
     ),
 ]
 
