@@ -12,6 +12,13 @@ table):
    samples (verifying drafts) and proposes new drafts;
 4. `finish` broadcasts sampled tokens, counts and drafts (last stage) or posts the
    matching receives, and ends the relay's step.
+
+With `--overlap-agreement` the runner schedules one step ahead, as vLLM's asynchronous
+scheduling does: a request is in flight for pp + 1 steps instead of pp, so step T + 1's
+batch is known from facts every rank has before step T's forward. Its agreement is
+started (asynchronous all-reduce) just before that forward and settled at the top of
+step T + 1; aborts of a request in step T's batch wait a step, so its relay rows are
+recorded before its slot is freed. The schedule changes, the tokens do not (parity).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from purepp.effects.io import TorchIO
 from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.errors import StaleTokenError
 from purepp.layout import Layout
-from purepp.rank import Agreed, RankConfig, RankDriver, Sampled, ShapeFacts, init_rank
+from purepp.rank import Agreed, Begun, RankConfig, RankDriver, Sampled, ShapeFacts, init_rank
 from purepp.relay import ConsumedOutputs, RelayConfig
 from purepp.runner.results import RankResult
 from purepp.runner.scheduler import ScheduledRow, ScheduledStep, Scheduler, SchedulerConfig
@@ -64,6 +71,15 @@ class _Sampled:
 class _InFlight:
     scheduled: ScheduledStep
     sampled: _Sampled | None  # last stage only
+
+
+def _shape(scheduled: ScheduledStep) -> ShapeFacts:
+    """The batch's shape facts for the DP agreement."""
+    return ShapeFacts(
+        num_tokens=scheduled.num_tokens,
+        uniform_token_count=scheduled.uniform_token_count,
+        max_query_len=scheduled.max_query_len,
+    )
 
 
 class RankLoop:
@@ -106,7 +122,8 @@ class RankLoop:
                 max_num_batched_tokens=settings.max_num_batched_tokens,
                 chunk_size=settings.chunk_size,
                 num_speculative_steps=settings.spec,
-                pp_size=settings.pp,
+                # Scheduling one step ahead keeps each request out one step longer.
+                pp_size=settings.pp + int(settings.overlap_agreement),
             ),
             workload.for_replica(self.replica),
         )
@@ -131,6 +148,7 @@ class RankLoop:
         self.state = init_rank(self.config)
         self.driver = RankDriver(self.config, perform, TorchIO(env))
         self.in_flight: deque[_InFlight] = deque()
+        self.scheduled_ahead: ScheduledStep | None = None  # overlap: the next step's batch
         self.steps_run = 0
         self.drafts_proposed = 0
         self.drafts_accepted = 0
@@ -167,16 +185,38 @@ class RankLoop:
         """One decode step: the library's rank step, with this runner's work in between."""
         begun = self.driver.begin(self.state)
         freed = self._apply_previous(step, begun.consumed)
+        if self.settings.overlap_agreement:
+            self._run_overlapped(step, begun, freed)
+            return
         freed += self.scheduler.abort_due(step)
+        scheduled = self._schedule(step)
+        agreed = self.driver.agree(begun, scheduled.batch, _shape(scheduled), freed=freed)
+        self._run_forward(scheduled, agreed)
+
+    def _run_overlapped(self, step: int, begun: Begun, freed: list[int]) -> None:
+        """The step's agreement was started during the step before; settle it, schedule
+        the next step and start its agreement, then run this step's forward."""
+        scheduled = self.scheduled_ahead
+        if scheduled is None or begun.agreeing is None:  # the first step: nothing started
+            freed += self.scheduler.abort_due(step)
+            scheduled = self._schedule(step)
+            begun = self.driver.start(begun, scheduled.batch, _shape(scheduled))
+        # Frees reach the relay at this settle, before this step's rows are recorded.
+        freed += self.scheduler.abort_due(step + 1, spare={row.slot for row in scheduled.rows})
+        agreed = self.driver.settle(begun, freed=freed)
+        self.scheduled_ahead = None
+        if step + 1 < self.settings.total_steps:
+            ahead = self._schedule(step + 1)
+            agreed = self.driver.start_next(agreed, ahead.batch, _shape(ahead))
+            self.scheduled_ahead = ahead
+        self._run_forward(scheduled, agreed)
+
+    def _schedule(self, step: int) -> ScheduledStep:
         for slot in self.scheduler.admit(step):
             self.model.reset_slot(slot)
-        scheduled = self.scheduler.schedule(step)
-        shape = ShapeFacts(
-            num_tokens=scheduled.num_tokens,
-            uniform_token_count=scheduled.uniform_token_count,
-            max_query_len=scheduled.max_query_len,
-        )
-        agreed = self.driver.agree(begun, scheduled.batch, shape, freed=freed)
+        return self.scheduler.schedule(step)
+
+    def _run_forward(self, scheduled: ScheduledStep, agreed: Agreed) -> None:
         self._count_padding(scheduled, agreed)
         sampled = self._forward(scheduled, agreed.descriptor.num_tokens)
         self.state = self.driver.finish(agreed, self._relayed(sampled, scheduled))
@@ -191,7 +231,7 @@ class RankLoop:
         pending = any(entry.scheduled.rows for entry in self.in_flight)
         return not (scheduler.waiting or pending or any(scheduler.slots))
 
-    # -- 1. outputs of the step pp_size ago ---------------------------------------------------
+        # -- 1. outputs of the step pp_size ago ---------------------------------------------------
 
     def _apply_previous(self, step: int, consumed: ConsumedOutputs | None) -> list[int]:
         """Apply the outputs of the step pp_size ago; the slots of finished requests."""

@@ -76,6 +76,11 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="send a [step, requests] header first each relay step; receivers check it",
     )
+    add(
+        "--overlap-agreement",
+        action="store_true",
+        help="schedule one step ahead and run its DP agreement during this step's forward",
+    )
     add("--log-dir", default=None, help="write one effect log per rank here (replacing old ones)")
     add("--trace", default=None, help="write a Chrome/Perfetto trace to this file")
 
@@ -132,6 +137,7 @@ def settings_from_args(
         "backend": args.backend,
         "timeout_s": args.timeout,
         "validate_header": args.validate_header,
+        "overlap_agreement": args.overlap_agreement,
     }
     raw.update(overrides)
     d = RunSettings()
@@ -143,6 +149,9 @@ def settings_from_args(
     validate_header = raw["validate_header"]
     if not isinstance(validate_header, bool):
         raise _refuse("--validate-header", validate_header, "is not a flag", "omit a value", call)
+    overlap = raw["overlap_agreement"]
+    if not isinstance(overlap, bool):
+        raise _refuse("--overlap-agreement", overlap, "is not a flag", "omit a value", call)
 
     def whole(option: str, field: str, low: int, high: int | None, fix: str) -> int:
         return _whole(option, raw[field], low=low, high=high, fix=fix, call=call)
@@ -163,6 +172,7 @@ def settings_from_args(
         backend="nccl" if backend == "nccl" else "gloo",
         timeout_s=_timeout("--timeout", raw["timeout_s"], call),
         validate_header=validate_header,
+        overlap_agreement=overlap,
     )
 
 

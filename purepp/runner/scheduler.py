@@ -9,7 +9,7 @@ masks agree without any extra communication.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import attrs
 import numpy as np
@@ -128,11 +128,15 @@ class Scheduler:
         self._leave(slot, finished=True)
         return True
 
-    def abort_due(self, step: int) -> list[int]:
-        """Abort the requests whose abort time has come; returns their slots."""
+    def abort_due(self, step: int, spare: Collection[int] = ()) -> list[int]:
+        """Abort the requests whose abort time has come; returns their slots.
+
+        Slots in `spare` wait a step: their request is in the batch running now, whose
+        relay rows must be recorded before the slot's generation moves on.
+        """
         freed = []
         for slot, state in enumerate(self.slots):
-            if state is None or state.first_decode_step is None:
+            if state is None or state.first_decode_step is None or slot in spare:
                 continue
             delay = state.request.abort_after_steps
             if delay is not None and step >= state.first_decode_step + delay:
