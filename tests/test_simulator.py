@@ -717,6 +717,12 @@ def test_a_rank_held_back_by_a_stuck_peer_is_named_with_it() -> None:
     assert (stuck.rank, stuck.stream, stuck.step) == (1, Stream.MAIN, 0)
     assert report.at_steps == (1, 0)
     assert "until rank(s) 1 complete more steps" in report.render()
+    # One communicator and the steps in flight: not an issue-order deadlock.
+    assert report.cycle is not None
+    assert (
+        report.cycle.render() == "rank 0 -> (steps in flight) -> rank 1 -> pp_cpu op #0 -> rank 0"
+    )
+    assert "one issue order" not in report.fix()
 
 
 def test_steps_never_go_back() -> None:

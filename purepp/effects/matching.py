@@ -377,6 +377,11 @@ class WaitCycle:
     def ranks(self) -> tuple[int, ...]:
         return tuple(edge.rank for edge in self.edges)
 
+    @property
+    def communicators(self) -> frozenset[Communicator]:
+        """The communicators the waits go through (several: an issue-order deadlock)."""
+        return frozenset(edge.via.comm for edge in self.edges if edge.via is not None)
+
     def render(self) -> str:
         """E.g. `rank 0 -> dp_cpu op #0 -> rank 1 -> dp_drafter_cpu op #0 -> rank 0`."""
         parts = [f"rank {edge.rank} -> {edge.describe()}" for edge in self.edges]
@@ -448,7 +453,7 @@ class DeadlockReport:
         return "\n".join(lines)
 
     def fix(self) -> str:
-        if self.cycle is not None and any(e.via is not None for e in self.cycle.edges):
+        if self.cycle is not None and len(self.cycle.communicators) > 1:
             return (
                 "issue collectives on every communicator in one order on every rank"
                 " (NCCL asks for one issue order across communicators)"
