@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from purepp.effects.log import dump_logs
+from purepp.relay import Wire
 from purepp.testing import ScheduleConfig, make_schedule, record_scripted_logs
 
 __all__ = ["GOLDEN_CASES", "GOLDEN_DIR", "regenerate"]
@@ -41,6 +42,14 @@ GOLDEN_CASES: dict[str, ScheduleConfig] = {
     },
     "dp2": ScheduleConfig(pp=2, dp=2, spec=1, steps=_STEPS, seed=_SEED),
     "dp4": ScheduleConfig(pp=1, dp=4, spec=0, steps=_STEPS, seed=_SEED),
+    # The opt-in wires: one aligned int64 broadcast per step; fixed pads to a bucket.
+    "pp2_spec2_packed": ScheduleConfig(
+        pp=2, dp=1, spec=2, steps=_STEPS, seed=_SEED, wire=Wire.PACKED
+    ),
+    "pp3_spec2_fixed": ScheduleConfig(
+        pp=3, dp=1, spec=2, steps=_STEPS, seed=_SEED, wire=Wire.FIXED
+    ),
+    "dp2_fixed": ScheduleConfig(pp=2, dp=2, spec=1, steps=_STEPS, seed=_SEED, wire=Wire.FIXED),
 }
 
 
