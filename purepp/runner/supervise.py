@@ -278,7 +278,7 @@ class _World:
                     stdout=subprocess.DEVNULL,
                     stderr=stderr,
                     start_new_session=True,  # Ctrl-C reaches us; we stop them
-                    preexec_fn=preexec,  # noqa: PLW1509  # no threads here yet
+                    preexec_fn=preexec,  # noqa: PLW1509  # None in a threaded launcher
                 )
             entry = _Rank(rank, process, stderr_path, beats / f"rank{rank}")
             entry.beat_changed_at = entry.done_changed_at = self.started_at
@@ -305,15 +305,26 @@ class _World:
     def done(self) -> bool:
         return all(rank.process.poll() == 0 for rank in self.ranks)
 
-    def _frozen(self, now: float, silent_s: float) -> str | None:
-        """A live rank whose beat stopped for `silent_s`, named with where it stopped."""
+    def _frozen(self, now: float, silent_s: float, starting_s: float = 0.0) -> str | None:
+        """A live rank whose beat stopped for `silent_s` (plus `starting_s` before its
+        first step, unless /proc says it is stopped: loading torch can hold the
+        interpreter a while), named with where it stopped."""
+
+        def silent_too_long(rank: _Rank) -> bool:
+            quiet = now - rank.beat_changed_at
+            if not rank.working or rank.beat is None or quiet < silent_s:
+                return False
+            return (
+                quiet >= silent_s + starting_s
+                or rank.beat.done > 0
+                or _is_stopped(rank.process.pid)
+            )
+
         silent = [
-            (now - rank.beat_changed_at, rank)
-            for rank in self.ranks
-            if rank.working and rank.beat is not None
+            (now - rank.beat_changed_at, rank) for rank in self.ranks if silent_too_long(rank)
         ]
         quiet_for, rank = max(silent, key=lambda item: item[0], default=(0.0, None))
-        if rank is None or rank.beat is None or quiet_for < silent_s:
+        if rank is None or rank.beat is None:
             return None
         why = (
             "its process is stopped by a signal such as SIGSTOP"
@@ -375,8 +386,9 @@ class _World:
         return f"{who} failed (exit {code}): {message}"
 
     def frozen(self, now: float, timeout_s: float) -> str | None:
-        """A live rank silent for the whole collective timeout, before anyone gives up."""
-        return self._frozen(now, timeout_s)
+        """A live rank silent for the whole collective timeout, before anyone gives up
+        (when its peers give up first, `failure` names it all the same)."""
+        return self._frozen(now, timeout_s, starting_s=_START_MARGIN_S)
 
     def hung(self, now: float, timeout_s: float) -> str | None:
         """Nothing advanced for the timeout though every rank beats: name the one behind
