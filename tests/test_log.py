@@ -49,6 +49,7 @@ from purepp.effects.vocabulary import (
     EventRef,
     Op,
     RecordEvent,
+    Release,
     Stream,
     WaitStream,
 )
@@ -831,19 +832,37 @@ def repeated_steps(steps: int) -> EffectLog:
     return EffectLog.from_effects(HEADER, effects)
 
 
-def scan_all(path: Path) -> list[tuple[int, str, Effect | None]]:
-    return list(LogStream(path).scan(frozenset({"wait_stream"})))
+def scan_all(path: Path) -> list[tuple[int, str, Effect | None, int]]:
+    return list(LogStream(path).scan(frozenset({"wait_stream", "release"})))
 
 
 def test_a_scan_gives_every_record_that_loading_gives(tmp_path: Path) -> None:
     log = repeated_steps(6)
     dump_log(log, tmp_path / "rank.jsonl")
     scanned = scan_all(tmp_path / "rank.jsonl")
-    assert [(step, kind) for step, kind, _ in scanned] == [
-        (e.step, kind_of(e)) for e in log.effects
+    assert [(step, kind, count) for step, kind, _, count in scanned] == [
+        (e.step, kind_of(e), 1) for e in log.effects
     ]
-    assert [e for _, _, e in scanned] == [
+    assert [e for _, _, e, _ in scanned] == [
         None if isinstance(e, WaitStream) else e for e in log.effects
+    ]
+
+
+def test_a_scan_counts_a_run_of_local_records_of_one_step_as_one_item(tmp_path: Path) -> None:
+    releases = [
+        Release(step=s, op=Op.END_STEP, buffer=BufferRef(f"b{i}")) for s in (1, 2) for i in range(3)
+    ]
+    log = EffectLog.from_effects(HEADER, [*releases, relay_broadcast(2), *releases[3:]])
+    dump_log(log, tmp_path / "rank.jsonl")
+    items = [
+        (step, kind, effect is None, count)
+        for step, kind, effect, count in scan_all(tmp_path / "rank.jsonl")
+    ]
+    assert items == [
+        (1, "release", True, 3),
+        (2, "release", True, 3),
+        (2, "broadcast", False, 1),
+        (2, "release", True, 3),
     ]
 
 

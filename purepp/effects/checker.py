@@ -131,7 +131,8 @@ class _RankReplay:
         self.lanes = lanes
         # Records that never wait come as their step and kind only (see LOCAL_KINDS).
         self._items = stream.scan(LOCAL_KINDS)
-        self.next: tuple[int, str, Effect | None] | None = None  # the next record, once read
+        # the next record (or run of records that never wait), once read
+        self.next: tuple[int, str, Effect | None, int] | None = None
         self.ended = False  # the log has no more records
         self.records = 0  # records issued
         self.collectives = 0  # collectives issued
@@ -139,7 +140,7 @@ class _RankReplay:
         self.last_step: int | None = None  # step of the last record issued
         self.allowed_step = -1  # steps up to this one may be issued without re-checking peers
 
-    def peek(self) -> tuple[int, str, Effect | None] | None:
+    def peek(self) -> tuple[int, str, Effect | None, int] | None:
         if self.next is None and not self.ended:
             item = next(self._items, None)
             if item is None:
@@ -148,10 +149,10 @@ class _RankReplay:
                 self.next = item
         return self.next
 
-    def take(self, step: int, effect: Effect | None) -> None:
-        """Consume the record `peek` returned."""
+    def take(self, step: int, effect: Effect | None, count: int) -> None:
+        """Consume the records `peek` returned."""
         self.next = None
-        self.records += 1
+        self.records += count
         if effect is not None and isinstance(effect, Broadcast | AllReduce):
             self.collectives += 1
         if step != self.last_step:
@@ -220,12 +221,12 @@ class _Check:
             item = rank.peek()
             if item is None:
                 return progressed
-            step, _, effect = item
+            step, _, effect, count = item
             if step > rank.allowed_step:
                 if self._held_back_by(rank, step):
                     return progressed
                 rank.allowed_step = step
-            rank.take(step, effect)
+            rank.take(step, effect, count)
             if effect is not None:
                 lanes.issue(effect)
                 if hub.completed_ranks:
@@ -375,7 +376,7 @@ class _Check:
             upcoming = rank.peek()
             if rank.lanes.host_blocked() or upcoming is None:
                 continue
-            step, kind, next_effect = upcoming
+            step, kind, next_effect, _ = upcoming
             held_back_by = self._held_back_by(rank, step)
             waiters.append(
                 Waiter(

@@ -228,41 +228,57 @@ class LogStream:
         finally:
             self.close()
 
-    def scan(self, local_kinds: frozenset[str]) -> Iterator[tuple[int, str, Effect | None]]:
-        """(step, kind, effect) per record, as strict as iterating; `local_kinds` give None.
+    def scan(self, local_kinds: frozenset[str]) -> Iterator[tuple[int, str, Effect | None, int]]:
+        """(step, kind, effect, count) per record, as strict as iterating.
 
         For the checker, which reads long logs and needs the records of `local_kinds`
-        only for their steps. A line that differs from a line already validated in
-        full only in its digits (the same keys, kinds and enum values; numbers and
-        names of the same lengths) is not validated again: it is built directly, or,
-        for `local_kinds`, not built at all. Its numbering is still checked, and any
-        other line is read in full, so a bad log fails as it does when iterated.
+        only for their steps: those come as effect None, and consecutive ones of one
+        step as one item counting them (`kind` is the first one's). A line that
+        differs from a line already validated in full only in its digits (the same
+        keys, kinds and enum values; numbers and names of the same lengths) is not
+        validated again: it is built directly, or, for `local_kinds`, not built at
+        all. Its numbering is still checked, and any other line is read in full, so
+        a bad log fails as it does when iterated.
         """
         numbering = Numbering()
         local = {kind.encode("ascii"): kind for kind in local_kinds}
+        run_step, run_kind, run = 0, "", 0  # the local records not yet yielded
         try:
             while (line := self._next_line()) is not None:
                 prefix = _PREFIX.match(line)
                 key = None if prefix is None else _template_key(prefix, line)
                 if key is None or prefix is None or key not in _SEEN_TEMPLATES:
-                    pass
+                    effect = self._record(line, numbering).effect
+                    if key is not None:
+                        if len(_SEEN_TEMPLATES) >= _MAX_TEMPLATES:
+                            _SEEN_TEMPLATES.clear()
+                        _SEEN_TEMPLATES.add(key)
+                    kind = kind_of(effect)
+                    item = (effect.step, kind, None if kind in local_kinds else effect, 1)
                 elif prefix[3] in local and prefix[2] == b"null":
                     # The hot path: most records never wait and are not built.
                     if int(prefix[1]) != numbering.next_seq:
                         self._record(line, numbering)  # raises, naming the seq
                     numbering.skip_local()
-                    yield int(prefix[4]), local[prefix[3]], None
-                    continue
+                    step = int(prefix[4])
+                    if run and step == run_step:
+                        run += 1
+                        continue
+                    item = (step, local[prefix[3]], None, 1)
                 else:
-                    yield self._from_template(prefix, line, numbering, local_kinds)
+                    item = self._from_template(prefix, line, numbering, local_kinds)
+                if run and item[2] is None and item[0] == run_step:
+                    run += 1
                     continue
-                effect = self._record(line, numbering).effect
-                if key is not None:
-                    if len(_SEEN_TEMPLATES) >= _MAX_TEMPLATES:
-                        _SEEN_TEMPLATES.clear()
-                    _SEEN_TEMPLATES.add(key)
-                kind = kind_of(effect)
-                yield effect.step, kind, None if kind in local_kinds else effect
+                if run:
+                    yield run_step, run_kind, None, run
+                    run = 0
+                if item[2] is None:
+                    run_step, run_kind, run = item[0], item[1], 1
+                else:
+                    yield item
+            if run:
+                yield run_step, run_kind, None, run
         finally:
             self.close()
 
@@ -272,20 +288,20 @@ class LogStream:
         line: bytes,
         numbering: Numbering,
         local_kinds: frozenset[str],
-    ) -> tuple[int, str, Effect | None]:
+    ) -> tuple[int, str, Effect | None, int]:
         """Read `line`, whose template was validated in full, without validating it again."""
         seq, kind, step = int(prefix[1]), prefix[3].decode("ascii"), int(prefix[4])
         value = json.loads(line)
         try:
             effect = build_checked_effect(kind, value["effect"])
         except (ValueError, OverflowError):
-            return step, kind, self._record(line, numbering).effect  # raises the full error
+            return step, kind, self._record(line, numbering).effect, 1  # raises the full error
         expected_seq, expected_comm_seq = numbering.expect(effect)
         if expected_seq != seq or expected_comm_seq != value["comm_seq"]:
             record = LogRecord(seq=seq, comm_seq=value["comm_seq"], effect=effect)
             expected = LogRecord(seq=expected_seq, comm_seq=expected_comm_seq, effect=effect)
             raise self._fail(self.lines_read, str(numbering_problem(record, expected)))
-        return step, kind, None if kind in local_kinds else effect
+        return step, kind, None if kind in local_kinds else effect, 1
 
     # -- lines --
 
