@@ -6,7 +6,10 @@ every communicator and one data-free `StreamLanes` per rank. So the checker sees
 a per-communicator comparison cannot: two ranks taking two communicators in opposite
 orders wait on each other, and the report shows the wait-for cycle. Memory stays
 bounded because a rank may not run more than `max_steps_in_flight` steps ahead of the
-slowest stage of its pipeline: only the records between them are held.
+slowest stage of its pipeline: only the records between them are held. Reading is
+fast where logs repeat themselves: a line that differs from an already validated line
+only in its digits is not validated again, and records that never wait are not built
+(`LogStream.scan`).
 
 Outcomes (`CheckReport.exit_code`):
 - 0: every collective matched on every communicator;
