@@ -327,7 +327,13 @@ def start_agreement_phase(
     """
     _check_agree("start_agreement_phase", config, begun, batch, shape)
     lanes, agreeing = yield from _start(
-        config, begun.lanes, begun.relay.step, batch, shape, asynchronous, steps
+        config,
+        begun.lanes,
+        step=begun.relay.step,
+        batch=batch,
+        shape=shape,
+        asynchronous=asynchronous,
+        steps=steps,
     )
     return attrs.evolve(begun, lanes=lanes, agreeing=agreeing)
 
@@ -348,14 +354,22 @@ def start_next_agreement(
     collectives pair in issue order). Raises `dp.LaneBusyError` when the next step's
     agreement is already in flight.
     """
-    step = agreed.relay.step + 1
-    lanes, agreeing = yield from _start(config, agreed.lanes, step, batch, shape, True, steps)
+    lanes, agreeing = yield from _start(
+        config,
+        agreed.lanes,
+        step=agreed.relay.step + 1,
+        batch=batch,
+        shape=shape,
+        asynchronous=True,
+        steps=steps,
+    )
     return attrs.evolve(agreed, lanes=lanes, ahead=agreeing)
 
 
 def _start(
     config: RankConfig,
     lanes: dp.AgreementLanes,
+    *,
     step: int,
     batch: BatchFacts,
     shape: ShapeFacts,
@@ -415,7 +429,12 @@ def _settled(
     lanes, target = yield from _complete(begun.lanes, agreeing.pending, io)
     drafter = None
     if config.drafter_dispatcher is not None:
-        reuse = attrs.evolve(agreeing.facts, dp_sync=target.sync)
+        sync = target.sync
+        reuse = attrs.evolve(agreeing.facts, dp_sync=sync)
+        if sync is not None:
+            # The sync holds the count this rank runs (padded, unless eager): reuse it at that.
+            agreed_tokens = int(sync.num_tokens_across_dp[config.group.dp_rank])
+            reuse = attrs.evolve(reuse, num_tokens=agreed_tokens)
         started = steps.start_agreement(
             lanes,
             config.group,
