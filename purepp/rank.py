@@ -43,7 +43,7 @@ from purepp.batch import BatchFacts
 from purepp.cudagraph import BatchExecutionDescriptor, Dispatcher
 from purepp.effects.arrays import IntArray
 from purepp.effects.interpreter import Interpreter
-from purepp.effects.vocabulary import BufferRef, Effect, TensorSpec
+from purepp.effects.vocabulary import BufferRef, DType, Effect, TensorSpec
 from purepp.errors import InvalidInputError
 from purepp.relay import (
     ConsumedOutputs,
@@ -493,6 +493,13 @@ def finish(
         relay = yield from _broadcast(
             relay_config, relay, batch=batch, io=io, sampled=sampled, steps=steps
         )
+    elif relay_config.wire is Wire.FIXED and batch.num_reqs == 0:
+        # The fixed wire sends every step; an empty batch reads no caller tensor.
+        sent = steps.broadcast_sampled(
+            relay_config, relay, batch, _NO_ROWS, _drafts_of(relay_config)
+        )
+        yield sent.effects
+        relay = sent.state
     elif batch.sampled_mask is not None or relay_config.wire is Wire.FIXED:
         raise InvalidInputError(
             "finish",
@@ -503,6 +510,16 @@ def finish(
     ended = steps.end_step(relay_config, relay)
     yield ended.effects
     return RankState(relay=ended.state, lanes=agreed.lanes, agreeing=agreed.ahead)
+
+
+_NO_ROWS = TensorSpec(shape=(0, 1), dtype=DType.INT64)  # an empty batch's sampled tokens
+
+
+def _drafts_of(config: RelayConfig) -> TensorSpec | None:
+    """The draft table's spec the packed wires require when speculating (not read at n=0)."""
+    if not config.num_speculative_steps:
+        return None
+    return TensorSpec(shape=(config.max_num_reqs, config.num_speculative_steps), dtype=DType.INT64)
 
 
 def _broadcast(

@@ -48,6 +48,7 @@ import numpy.typing as npt
 
 from purepp.batch import BatchFacts
 from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray, frozen
+from purepp.effects.keyed import KeyedEffects
 from purepp.effects.vocabulary import (
     Alias,
     Allocate,
@@ -412,9 +413,12 @@ def end_step(config: RelayConfig, state: RelayState) -> Step[RelayState, None]:
     """Close the current step: release what it no longer needs and advance the counter."""
     _check_state("end_step", config, state)
     step = state.step
-    effects = tuple(
-        Release(step=step, op=Op.END_STEP, buffer=buffer) for buffer in state.to_release
+    releases = state.to_release
+    effects: tuple[Effect, ...] = tuple(
+        Release(step=step, op=Op.END_STEP, buffer=buffer) for buffer in releases
     )
+    if len(set(releases)) == len(releases):  # distinct names: the count is the structure
+        effects = KeyedEffects(effects, ("relay.end_step", len(releases)))
     return Step(
         RelayState(step=step + 1, ring=state.ring, generations=state.generations), effects, None
     )
@@ -559,6 +563,8 @@ def receive(config: RelayConfig, state: RelayState, batch: BatchFacts) -> Step[R
         effects, pending = _receive_seed(config, state, batch, mask)
     else:
         effects, pending = _receive_packed(config, state, batch, mask)
+    # The batch's structure follows from the configuration and the wire rows alone.
+    effects = KeyedEffects(effects, ("relay.receive", config, pending.rows))
     new_state = RelayState(
         step=state.step,
         ring=(*state.ring[:-1], pending),
@@ -820,12 +826,15 @@ def consume_previous_step(
         dropped = RelayState(
             step=step, ring=ring, generations=state.generations, to_release=released
         )
-        return Step(dropped, (forget,), None)
+        return Step(dropped, KeyedEffects((forget,), ("relay.consume.forget",)), None)
 
     effects: list[Effect] = []
     idx_mapping = oldest.idx_mapping
     idx_mapping_np = slots
+    filtered_rows = False
+    scatter = oldest.draft_tokens is not None and update_drafts
     if idx_mapping is None or exclude.any():
+        filtered_rows = True
         # The padding rows of the fixed wire, and the dropped rows, read slot -1.
         filtered = np.full(oldest.rows, -1, dtype=np.int32)
         filtered[:n] = np.where(exclude, -1, slots)
@@ -838,7 +847,8 @@ def consume_previous_step(
         )
         released += (idx_mapping,)
     effects.append(WaitEvent(step=step, op=op, stream=Stream.MAIN, event=oldest.event))
-    if oldest.draft_tokens is not None and update_drafts:
+    if scatter:
+        assert oldest.draft_tokens is not None
         effects.append(
             ScatterRows(
                 step=step,
@@ -858,7 +868,8 @@ def consume_previous_step(
         idx_mapping_np=idx_mapping_np,
     )
     new_state = RelayState(step=step, ring=ring, generations=state.generations, to_release=released)
-    return Step(new_state, tuple(effects), outputs)
+    key = ("relay.consume", config, oldest.rows, filtered_rows, scatter)
+    return Step(new_state, KeyedEffects(effects, key), outputs)
 
 
 # ---- the last stage -----------------------------------------------------------------------
@@ -931,6 +942,10 @@ def broadcast_sampled(
         # No row produced a token; receivers see the same mask and post nothing.
         return Step(state, (), False)
     effects, sent = (_send_packed if packed else _send_seed)(config, state, batch)
+    # The structure follows from the configuration, the wire rows and whether any row is
+    # read (the caller's token width is an input layout, guarded by plans, not structure).
+    n = batch.num_reqs
+    effects = KeyedEffects(effects, ("relay.send", config, config.wire_rows(n), n == 0))
     new_state = RelayState(
         step=state.step,
         ring=state.ring,
@@ -1052,6 +1067,12 @@ def _send_packed(
         )
         sections.append(Section(buffer=header, offset=0, shape=HEADER_SHAPE, dtype=DType.INT32))
         made.append(header)
+    if n == 0:
+        # An empty batch (the fixed wire still sends): the zeroed wire carries nothing
+        # but the header, and no caller tensor is read.
+        return _packed_broadcast(
+            config, step, effects, sections=sections, wire=wire, layout=layout, read=()
+        ), tuple(made)
     sections += [
         Section(
             buffer=inputs.sampled_tokens,
@@ -1084,6 +1105,24 @@ def _send_packed(
         )
         made.append(gathered)
         read += [inputs.idx_mapping, inputs.draft_table]
+    return _packed_broadcast(
+        config, step, effects, sections=sections, wire=wire, layout=layout, read=read
+    ), tuple(made)
+
+
+def _packed_broadcast(
+    config: RelayConfig,
+    step: int,
+    effects: list[Effect],
+    *,
+    sections: Sequence[Section],
+    wire: BufferRef,
+    layout: _Layout,
+    read: Sequence[BufferRef],
+) -> tuple[Effect, ...]:
+    """Pack `sections` into `wire`, broadcast it, and keep the caller's tensors alive."""
+    op = Op.BROADCAST
+    relay = Stream.RELAY
     words = (layout.nbytes // 8,)
     effects += [
         # A fresh snapshot: the caller may reuse its tensors at once.
@@ -1103,7 +1142,7 @@ def _send_packed(
         # The caller's tensors were made on main and are read on the relay stream.
         *(RecordStream(step=step, op=op, buffer=b, stream=relay) for b in read),
     ]
-    return tuple(effects), tuple(made)
+    return tuple(effects)
 
 
 def broadcast_drafts(
@@ -1169,6 +1208,7 @@ def broadcast_drafts(
             stream=relay,
         ),
     )
+    effects = KeyedEffects(effects, ("relay.broadcast_drafts", config, batch.num_reqs))
     new_state = RelayState(
         step=step,
         ring=state.ring,

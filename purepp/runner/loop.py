@@ -41,7 +41,7 @@ from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.errors import StaleTokenError
 from purepp.layout import Layout
 from purepp.rank import Agreed, Begun, RankConfig, RankDriver, Sampled, ShapeFacts, init_rank
-from purepp.relay import ConsumedOutputs, RelayConfig
+from purepp.relay import ConsumedOutputs, RelayConfig, Wire
 from purepp.runner.results import RankResult
 from purepp.runner.scheduler import ScheduledRow, ScheduledStep, Scheduler, SchedulerConfig
 from purepp.runner.settings import RunSettings
@@ -115,6 +115,7 @@ class RankLoop:
             num_speculative_steps=settings.spec,
             first_rank=self.replica * settings.pp,
             validate_header=settings.validate_header,
+            wire=Wire(settings.wire),
         )
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from purepp.errors import ConfigError
+from purepp.relay import Wire
 from purepp.runner.settings import MAX_SPECULATIVE_STEPS, RunSettings
 
 __all__ = [
@@ -38,6 +39,9 @@ class UsageError(ConfigError):
 def _shown(value: object) -> str:
     """The value as the user would have typed it: `''` for an empty string."""
     return shlex.quote(value) if isinstance(value, str) else str(value)
+
+
+_WIRES = tuple(wire.value for wire in Wire)
 
 
 def _refuse(option: str, value: object, problem: str, fix: str, call: str) -> UsageError:
@@ -75,6 +79,12 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         "--validate-header",
         action="store_true",
         help="send a [step, requests] header first each relay step; receivers check it",
+    )
+    add(
+        "--wire",
+        default=d.wire,
+        help="the relay's wire: seed (the seed's broadcasts), packed (one aligned broadcast "
+        "per step) or fixed (packed, rows padded to a bucket, sent every step)",
     )
     add(
         "--overlap-agreement",
@@ -138,6 +148,7 @@ def settings_from_args(
         "timeout_s": args.timeout,
         "validate_header": args.validate_header,
         "overlap_agreement": args.overlap_agreement,
+        "wire": args.wire,
     }
     raw.update(overrides)
     d = RunSettings()
@@ -149,6 +160,10 @@ def settings_from_args(
     validate_header = raw["validate_header"]
     if not isinstance(validate_header, bool):
         raise _refuse("--validate-header", validate_header, "is not a flag", "omit a value", call)
+    wire = raw["wire"]
+    if wire not in _WIRES:
+        fix = f"use --wire {' or '.join(_WIRES)}"
+        raise _refuse("--wire", wire, "is not a wire format", fix, call)
     overlap = raw["overlap_agreement"]
     if not isinstance(overlap, bool):
         raise _refuse("--overlap-agreement", overlap, "is not a flag", "omit a value", call)
@@ -173,6 +188,7 @@ def settings_from_args(
         timeout_s=_timeout("--timeout", raw["timeout_s"], call),
         validate_header=validate_header,
         overlap_agreement=overlap,
+        wire=str(wire),
     )
 
 

@@ -32,6 +32,7 @@ class RunSettings:
     chunk_size: int = 8  # longest prefill chunk
     capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)  # CUDA-graph token sizes
     validate_header: bool = False  # the relay's opt-in [step, n] header, checked by receivers
+    wire: str = "seed"  # the relay's wire format: seed, packed or fixed (purepp.relay.Wire)
     overlap_agreement: bool = False  # start each step's DP agreement during the forward before
 
     def __attrs_post_init__(self) -> None:

@@ -502,6 +502,7 @@ def worker_argv(settings: RunSettings, log_dir: str | None, trace: str | None) -
         f"--seed={settings.seed}",
         f"--backend={settings.backend}",
         f"--timeout={settings.timeout_s!r}",
+        f"--wire={settings.wire}",
     ]
     if settings.validate_header:
         argv.append("--validate-header")
