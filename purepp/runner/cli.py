@@ -15,16 +15,35 @@ import sys
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from purepp.errors import PureppError
 from purepp.runner.exit_codes import Exit, interrupted
 from purepp.runner.options import OptionParser, UsageError, add_run_options, settings_from_args
-from purepp.runner.supervise import Interrupted, RankFailure, launch
+
+if TYPE_CHECKING:
+    from purepp.runner.settings import RunSettings
+    from purepp.runner.summary import RunSummary
 
 __all__ = ["launch", "main"]
 
 
+def launch(
+    settings: RunSettings,
+    *,
+    log_dir: str | None = None,
+    trace: str | None = None,
+    run_id: str | None = None,
+) -> RunSummary:
+    """`purepp.runner.supervise.launch`, imported when a run starts (`--help` stays fast)."""
+    from purepp.runner.supervise import launch as start
+
+    return start(settings, log_dir=log_dir, trace=trace, run_id=run_id)
+
+
 def _run(args: argparse.Namespace) -> int:
+    from purepp.runner.supervise import Interrupted, RankFailure
+
     run_id = uuid.uuid4().hex
     try:
         settings = settings_from_args(args)
