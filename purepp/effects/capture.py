@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import sys
 import typing
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -132,6 +133,7 @@ class _Instance:
     # output position -> (Python refcount, storage use count) right after capture: more
     # means a name, a caller or a view still holds it
     baseline: dict[int, tuple[int, int]]
+    empty: bool = False  # the capture recorded no node: a replay launches nothing
 
 
 @attrs.define
@@ -189,7 +191,8 @@ def replay(
             staging = torch.empty(source.shape, dtype=torch.int32, pin_memory=True)
             staging.numpy()[...] = source
             slots[position].copy_(staging, non_blocking=True)
-        instance.graph.replay()
+        if not instance.empty:
+            instance.graph.replay()
         for op in capturable.name_ops:
             match op:
                 case _Bind():
@@ -226,7 +229,7 @@ def _free_instance(
         slots = instance.slots
         if all(
             buffers.get(typing.cast(BufferRef, names[p])) is slots[p] for p in capturable.baked
-        ) and all(_unheld(slots[p], held) for p, held in instance.baseline.items()):
+        ) and all(_unheld(slots, p, held) for p, held in instance.baseline.items()):
             capturable.turn = (index + 1) % max(count, 1)
             return instance
     if count >= copies:
@@ -249,22 +252,34 @@ def _capture(interp: TorchInterpreter, capturable: _Capturable, names: list[Name
         slots[position] = torch.empty(shape, dtype=torch.int32, device=interp.device)
     graph = torch.cuda.CUDAGraph()
     # The graph's own capture stream is current inside: kernels queue there, not on S.
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for kernel in capturable.kernels:
-            kernel(slots)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for kernel in capturable.kernels:
+                kernel(slots)
+    # A segment of allocations and collectives that queue nothing (a one-rank NCCL
+    # broadcast in place) captures no node: such a graph is not worth a launch.
+    empty = any("Graph is empty" in str(w.message) for w in caught)
+    for w in caught:
+        if "Graph is empty" not in str(w.message):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     # Baselines: what holds each output now (the slots dict, views made while capturing).
-    baseline = {p: _holders(slots[p]) for p in capturable.made}
-    return _Instance(graph=graph, slots=slots, baseline=baseline)
+    baseline = {p: _holders(slots, p) for p in capturable.made}
+    return _Instance(graph=graph, slots=slots, baseline=baseline, empty=empty)
 
 
-def _unheld(tensor: torch.Tensor, baseline: tuple[int, int]) -> bool:
-    references, storage = _holders(tensor)
+def _unheld(slots: Slots, position: int, baseline: tuple[int, int]) -> bool:
+    references, storage = _holders(slots, position)
     return references <= baseline[0] and storage <= baseline[1]
 
 
-def _holders(tensor: torch.Tensor) -> tuple[int, int]:
-    """Who holds `tensor`: Python references to it (names bound to it), and tensors on
-    its storage (views of it, such as an Unpack's), each compared with its baseline."""
+def _holders(slots: Slots, position: int) -> tuple[int, int]:
+    """Who holds the output at `position`: Python references to it (names bound to it,
+    a caller's), and tensors on its storage (views of it, such as an Unpack's). Always
+    measured through this one function, so the frames' own references count the same
+    in a baseline and in a check; an output is free when neither is above its baseline.
+    """
+    tensor = slots[position]
     storage = torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
     return sys.getrefcount(tensor), storage
 
@@ -282,6 +297,7 @@ _DEVICE = (
     ScatterRows,
     Pack,
 )
+_GRAPH = tuple(kind for kind in _DEVICE if kind is not CopyHostToDevice)  # kernels in a graph
 _ORDER = (WaitStream, WaitEvent, RecordEvent, ForgetEvent)
 _HOST = (AllReduce, WaitWork, CheckHeader, Synchronize)
 
@@ -318,10 +334,15 @@ def _analyse(interp: TorchInterpreter, plan: Plan) -> _Capturable | None:
     """The plan's capture layout, or None when it cannot be captured (see the module)."""
     effects = plan.effects
     at = {name: position for position, name in enumerate(plan.names)}
-    device = [i for i, effect in enumerate(effects) if isinstance(effect, _DEVICE)]
+    # The segment is bounded by graph work: a CopyHostToDevice is host staging, so one
+    # before the first kernel (or after the last) runs as eager runs it, with the
+    # ordering around it, and one inside is staged into its static buffer.
+    device = [i for i, effect in enumerate(effects) if isinstance(effect, _GRAPH)]
     if not device:
         return None
     first, last = device[0], device[-1]
+    while first and isinstance(effects[first - 1], CopyHostToDevice):
+        first -= 1  # staged straight into its static buffer
     segment = _Segment()
     streams: set[Stream] = set()
     for index in range(first, last + 1):

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import torch
 
 from purepp.effects._environment import Environment
+from purepp.effects.keyed import KeyedEffects
 from purepp.effects.vocabulary import (
     Alias,
     Allocate,
@@ -70,7 +71,18 @@ from purepp.effects.vocabulary import (
 if TYPE_CHECKING:
     from purepp.effects.torch_interpreter import TorchInterpreter
 
-__all__ = ["Layout", "Name", "Plan", "Planner", "Role", "Structure", "abstract", "layout", "roles"]
+__all__ = [
+    "Layout",
+    "Name",
+    "Plan",
+    "Planner",
+    "Role",
+    "Structure",
+    "abstract",
+    "layout",
+    "name_reader",
+    "roles",
+]
 
 Name: TypeAlias = BufferRef | EventRef | WorkRef
 Structure: TypeAlias = tuple[Hashable, ...]
@@ -335,14 +347,86 @@ class Plan:
         )
 
 
+def _fields(effect: Effect) -> list[str]:
+    """The attribute paths of `effect`'s names, in the order `abstract` numbers them."""
+    match effect:
+        case WaitStream() | Synchronize():
+            return []
+        case RecordEvent() | WaitEvent() | ForgetEvent():
+            return ["event"]
+        case (
+            Release() | Broadcast() | Allocate() | RecordStream() | CopyHostToDevice()
+            | CheckHeader()
+        ):  # fmt: skip
+            return ["buffer"]
+        case AllReduce():
+            return ["result"] if effect.work is None else ["result", "work"]
+        case WaitWork():
+            return ["work"]
+        case Alias() | PadColumns():
+            return ["source", "out"]
+        case StackRows():
+            return [*(f"sources[{i}]" for i in range(len(effect.sources))), "out"]
+        case GatherRows():
+            return ["source", "index", "out"]
+        case ScatterRows():
+            return ["source", "index", "target"]
+        case Pack():
+            return [*(f"sections[{i}].buffer" for i in range(len(effect.sections))), "out"]
+        case Unpack():
+            return ["source", *(f"sections[{i}].buffer" for i in range(len(effect.sections)))]
+        case _:
+            typing.assert_never(effect)
+
+
+def name_reader(effects: tuple[Effect, ...]) -> Callable[[tuple[Effect, ...]], list[Name]]:
+    """A function reading the names by position from any batch of `effects`' structure.
+
+    Straight-line code generated once per structure (`e[3].buffer, e[5].event, ...`):
+    equal structures put each position's first use at the same effect and field.
+    """
+    seen: set[Name] = set()
+    paths: list[str] = []
+    for index, effect in enumerate(effects):
+        for field in _fields(effect):
+            name = eval(f"e.{field}", {"e": effect})  # our own field paths
+            if name not in seen:
+                seen.add(name)
+                paths.append(f"e[{index}].{field}")
+    source = f"def read(e):\n    return [{', '.join(paths)}]\n"
+    scope: dict[str, Any] = {}
+    exec(compile(source, "<purepp.plan names>", "exec"), scope)  # generated above
+    reader: Callable[[tuple[Effect, ...]], list[Name]] = scope["read"]
+    return reader
+
+
+class _Family:
+    """The plans of one structure (one per input layout) and how to read its names."""
+
+    __slots__ = ("names", "plans")
+
+    def __init__(self, names: Callable[[tuple[Effect, ...]], list[Name]]) -> None:
+        self.names = names
+        self.plans: list[Plan] = []
+
+
 class Planner:
-    """The plan cache of one `TorchInterpreter`: structure -> plans, one per input layout."""
+    """The plan cache of one `TorchInterpreter`: structure -> plans, one per input layout.
+
+    A batch that carries its structure key (`KeyedEffects`, built by the pure step) finds
+    its plans by that key with one dict lookup; a plain tuple is abstracted (`abstract`).
+    In fast mode a plan that is not captured runs the eager handlers themselves, so it
+    needs no guard: it does exactly what eager does. Checked mode and captures guard
+    the bindings first (`Plan.admits`), since they skip validation or rely on layouts.
+    """
 
     def __init__(self, interp: TorchInterpreter, *, capture: bool, copies: int) -> None:
         self._interp = interp
-        self._plans: dict[Structure, list[Plan]] = {}
+        self._plans: dict[Structure, _Family] = {}
+        self._keyed: dict[Hashable, _Family] = {}
         self._capture = capture
         self._copies = copies
+        self._guarded = capture or interp.checked  # plans that need their guards
         self.lowered = 0  # plans made
         self.planned = 0  # batches run by a plan (not replayed)
         self.eager = 0  # batches run eagerly: first meetings, bindings that did not fit
@@ -351,16 +435,36 @@ class Planner:
     def perform(self, effects: tuple[Effect, ...]) -> bool:
         """Perform `effects` by a plan, lowering one if new; False: the caller runs eager."""
         interp = self._interp
-        structure, names = abstract(effects)
-        variants = self._plans.get(structure)
-        if variants is not None:
+        family: _Family | None = None
+        names: list[Name] | None = None
+        keyed = type(effects) is KeyedEffects
+        if keyed:
+            family = self._keyed.get(typing.cast(KeyedEffects, effects).structure)
+        if family is None:
+            structure, names = abstract(effects)
+            family = self._plans.get(structure)
+            if family is None:
+                family = self._plans[structure] = _Family(name_reader(effects))
+            if keyed:
+                self._keyed[typing.cast(KeyedEffects, effects).structure] = family
+        variants = family.plans
+        if variants:
+            if not self._guarded:
+                self.planned += 1
+                interp.run_handlers(variants[0].handlers, effects)
+                return True
+            if names is None:
+                names = family.names(effects)
+            env = interp.env
             for plan in variants:
-                if plan.admits(interp.env, names):
+                if plan.admits(env, names):
                     self._run(plan, effects, names)
                     return True
             if len(variants) >= _VARIANTS:
                 self.eager += 1
                 return False
+        if names is None:
+            names = family.names(effects)
         positions = roles(effects, names)
         buffers = interp.env.buffers
         inputs = {
@@ -373,7 +477,7 @@ class Planner:
         interp.perform_eager(effects)
         handlers = [interp.handler(e) for e in effects]
         plan = Plan(effects, names, positions, inputs, handlers, checked=interp.checked)
-        self._plans.setdefault(structure, []).append(plan)
+        variants.append(plan)
         self.lowered += 1
         return True
 

@@ -1,0 +1,242 @@
+"""The relay's pure steps key their batches: equal keys, equal structures; edits unkey.
+
+A step plan is found by the key a pure step puts on its effects (`KeyedEffects`), so a
+key that conflated two structures would run one batch by another's plan. Over random
+configurations and schedules, every keyed batch is abstracted (`plan.abstract`) and
+batches with equal keys must have equal structures. Then: a keyed batch runs its plans
+on a one-rank gloo world exactly as eager does.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Hashable, Iterator
+
+import attrs
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchmarks.one_rank import one_rank_world
+from purepp.batch import BatchFacts
+from purepp.effects.keyed import KeyedEffects
+from purepp.effects.plan import Structure, abstract, name_reader
+from purepp.effects.torch_interpreter import TorchInterpreter
+from purepp.effects.vocabulary import BufferRef, Communicator, DType, Effect, TensorSpec
+from purepp.relay import (
+    Platform,
+    RelayConfig,
+    Wire,
+    broadcast_drafts,
+    broadcast_sampled,
+    consume_previous_step,
+    end_step,
+    free_request_slots,
+    init_relay,
+    receive,
+)
+from tests.strategies import batch_schedules
+
+CPU = torch.device("cpu")
+
+
+@st.composite
+def relay_pairs(draw: st.DrawFn) -> tuple[RelayConfig, RelayConfig]:
+    """A receiving stage and the last stage of one pipeline, any wire and options."""
+    pp = draw(st.integers(2, 3))
+    common = {
+        "pp_size": pp,
+        "max_num_reqs": draw(st.integers(1, 6)),
+        "num_speculative_steps": draw(st.integers(0, 2)),
+        "platform": draw(st.sampled_from(Platform)),
+        "validate_header": draw(st.booleans()),
+        "wire": draw(st.sampled_from(Wire)),
+    }
+    receiver = RelayConfig.for_stage(stage=draw(st.integers(0, pp - 2)), **common)  # type: ignore[arg-type]
+    return receiver, RelayConfig.for_stage(stage=pp - 1, **common)  # type: ignore[arg-type]
+
+
+Batches = list[tuple[Effect, ...]]
+
+
+def sender_batches(
+    config: RelayConfig, schedule: list[tuple[BatchFacts, tuple[int, ...]]], widths: list[int]
+) -> Iterator[tuple[Effect, ...]]:
+    state = init_relay(config)
+    spec = config.num_speculative_steps
+    table = TensorSpec(shape=(config.max_num_reqs, spec), dtype=DType.INT64)
+    packed = config.wire is not Wire.SEED
+    for (batch, freed), width in zip(schedule, widths, strict=False):
+        tokens = TensorSpec(shape=(batch.num_reqs, min(width, spec + 1)), dtype=DType.INT64)
+        sent = broadcast_sampled(config, state, batch, tokens, table if packed and spec else None)
+        state = sent.state
+        yield sent.effects
+        if spec and not packed:
+            drafts = broadcast_drafts(config, state, batch, table)
+            state = drafts.state
+            yield drafts.effects
+        ended = end_step(config, state)
+        state = free_request_slots(config, ended.state, freed).state
+        yield ended.effects
+
+
+def receiver_batches(
+    config: RelayConfig, schedule: list[tuple[BatchFacts, tuple[int, ...]]], update: list[bool]
+) -> Iterator[tuple[Effect, ...]]:
+    state = init_relay(config)
+    for (batch, freed), update_drafts in zip(schedule, update, strict=False):
+        consumed = consume_previous_step(config, state, update_drafts=update_drafts)
+        yield consumed.effects
+        state = free_request_slots(config, consumed.state, freed).state
+        posted = receive(config, state, batch)
+        yield posted.effects
+        ended = end_step(config, posted.state)
+        state = ended.state
+        yield ended.effects
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pairs=st.lists(relay_pairs(), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_equal_keys_have_equal_structures(
+    pairs: list[tuple[RelayConfig, RelayConfig]], data: st.DataObject
+) -> None:
+    seen: dict[Hashable, Structure] = {}
+    keyed = 0
+    for receiver, sender in pairs:
+        schedule = data.draw(batch_schedules(receiver.max_num_reqs, max_steps=10))
+        widths = data.draw(st.lists(st.integers(1, 3), min_size=len(schedule)))
+        update = data.draw(st.lists(st.booleans(), min_size=len(schedule)))
+        for batch in (
+            *sender_batches(sender, schedule, widths),
+            *receiver_batches(receiver, schedule, update),
+        ):
+            if not isinstance(batch, KeyedEffects):
+                assert batch == ()  # only empty batches go unkeyed here
+                continue
+            keyed += 1
+            structure, names = abstract(batch)
+            assert seen.setdefault(batch.structure, structure) == structure, batch.structure
+            # The generated reader finds this batch's names where the structure puts them.
+            assert name_reader(batch)(batch) == names
+    assert keyed > 0
+
+
+def test_a_keyed_batch_is_a_tuple_and_any_edit_unkeys_it() -> None:
+    config = RelayConfig.for_stage(pp_size=2, stage=1, max_num_reqs=4, num_speculative_steps=1)
+    batch = BatchFacts(
+        idx_mapping=np.array([2, 0], dtype=np.int32),
+        num_computed_tokens=np.array([10, 10], dtype=np.int32),
+        num_scheduled_tokens=np.array([2, 2], dtype=np.int32),
+        prefill_len=np.array([4, 4], dtype=np.int32),
+    )
+    tokens = TensorSpec(shape=(2, 2), dtype=DType.INT64)
+    sent = broadcast_sampled(config, init_relay(config), batch, tokens)
+    effects = sent.effects
+    assert isinstance(effects, KeyedEffects)
+    assert effects == tuple(effects) and hash(effects) == hash(tuple(effects))
+    assert type(effects[1:]) is tuple
+    assert type(effects + effects[:1]) is tuple
+    assert type(attrs.evolve(sent, effects=tuple(effects[:-1])).effects) is tuple
+    copied = pickle.loads(pickle.dumps(effects))
+    assert copied == effects and copied.structure == effects.structure
+
+
+# ---- keyed plans run exactly as eager on a one-rank gloo world ---------------------------
+
+
+@pytest.fixture(scope="module")
+def groups() -> Iterator[dict[Communicator, dist.ProcessGroup]]:
+    if dist.is_initialized():
+        pytest.fail("another test left a default process group initialised")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    with one_rank_world("cpu") as (_, groups):
+        yield groups
+
+
+def _run(interp: TorchInterpreter, spec: int, wire: Wire) -> list[dict[str, list[object]]]:
+    """A receiver and a sender relay (both rank 0) for 30 steps; every bound tensor after
+    every batch."""
+    slots = 6
+    common = {"pp_size": 2, "last_rank": 0, "max_num_reqs": slots, "num_speculative_steps": spec}
+    buckets = (2, 4, slots) if wire is Wire.FIXED else ()
+    receiver = RelayConfig(stage=0, wire=wire, buckets=buckets, name="rx", **common)  # type: ignore[arg-type]
+    sender = RelayConfig(stage=1, wire=wire, buckets=buckets, name="tx", **common)  # type: ignore[arg-type]
+    rx, tx = init_relay(receiver), init_relay(sender)
+    table = torch.arange(slots * spec, dtype=torch.int64).reshape(slots, spec)
+    interp.bind(sender.inputs.draft_table, table)
+    interp.bind(receiver.inputs.draft_table, torch.zeros((slots, spec), dtype=torch.int64))
+    table_spec = TensorSpec(shape=(slots, spec), dtype=DType.INT64)
+    rng = np.random.default_rng(spec)
+    seen: list[dict[str, list[object]]] = []
+
+    def perform(effects: tuple[Effect, ...]) -> None:
+        interp.perform(effects)
+        refs = interp.bound_refs()
+        # In a one-rank world a receive "receives" its own uninitialised buffer: only the
+        # names of what the receiver made are compared, and everything else's values.
+        values = {
+            r.name: interp.tensor(r).tolist()
+            for r in refs
+            if isinstance(r, BufferRef) and not r.name.startswith("rx.")
+        }
+        seen.append(values | {"": sorted(r.name for r in refs)})
+
+    for step in range(30):
+        n = 1 + step % 3
+        idx = rng.permutation(slots)[:n].astype(np.int32)
+        batch = BatchFacts(
+            idx_mapping=idx,
+            num_computed_tokens=np.full(n, 10, dtype=np.int32),
+            num_scheduled_tokens=np.full(n, 1 + spec, dtype=np.int32),
+            prefill_len=np.full(n, 4, dtype=np.int32),
+        )
+        width = 1 if step % 4 == 3 else spec + 1
+        for config in (receiver, sender):
+            interp.bind(config.inputs.idx_mapping, torch.from_numpy(idx.copy()))
+        interp.bind(sender.inputs.sampled_tokens, torch.full((n, width), step, dtype=torch.int64))
+        interp.bind(sender.inputs.num_sampled, torch.ones(n, dtype=torch.int32))
+        interp.bind(sender.inputs.num_rejected, torch.zeros(n, dtype=torch.int32))
+        # The sender's broadcast (this rank is the source) is what the receiver gets.
+        consumed = consume_previous_step(receiver, rx, update_drafts=spec > 0)
+        perform(consumed.effects)
+        rx = free_request_slots(receiver, consumed.state, (int(idx[0]),) * (step % 5 == 0)).state
+        packed = wire is not Wire.SEED
+        tokens = TensorSpec(shape=(n, width), dtype=DType.INT64)
+        sent = broadcast_sampled(sender, tx, batch, tokens, table_spec if packed and spec else None)
+        posted = receive(receiver, rx, batch)
+        perform(sent.effects)
+        perform(posted.effects)
+        tx, rx = sent.state, posted.state
+        if spec and not packed:
+            drafts = broadcast_drafts(sender, tx, batch, table_spec)
+            perform(drafts.effects)
+            tx = drafts.state
+        for config, state in ((receiver, rx), (sender, tx)):
+            ended = end_step(config, state)
+            perform(ended.effects)
+            if config is receiver:
+                rx = ended.state
+            else:
+                tx = ended.state
+    return seen
+
+
+@pytest.mark.parametrize("wire", list(Wire), ids=[w.value for w in Wire])
+@pytest.mark.parametrize("spec", [0, 2])
+@pytest.mark.parametrize("checked", [False, True], ids=["fast", "checked"])
+def test_keyed_plans_match_eager(
+    groups: dict[Communicator, dist.ProcessGroup], wire: Wire, spec: int, checked: bool
+) -> None:
+    eager = TorchInterpreter(device=CPU, groups=groups, rank=0, checked=checked)
+    planned = TorchInterpreter(device=CPU, groups=groups, rank=0, checked=checked, plans=True)
+    assert _run(planned, spec, wire) == _run(eager, spec, wire)
+    planner = planned.planner
+    assert planner is not None
+    assert planner.planned > 3 * planner.lowered  # steady steps ran their plans
