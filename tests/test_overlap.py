@@ -25,6 +25,8 @@ from purepp.effects.log import Recorder
 from purepp.effects.torch_interpreter import TorchInterpreter, build_communicators
 from purepp.effects.vocabulary import AllReduce, Communicator, Effect, Op, WaitWork
 from purepp.errors import InvalidInputError
+from purepp.runner.options import OptionParser, add_run_options, settings_from_args
+from purepp.runner.supervise import worker_argv
 from purepp.testing import (
     RankOutputs,
     RecordingTensors,
@@ -323,3 +325,18 @@ def test_on_two_gloo_ranks_overlap_agrees_what_no_overlap_agrees() -> None:
         assert (first.sync is None) == (second.sync is None)
         if first.sync is not None and second.sync is not None:
             assert first.sync == second.sync
+
+
+# -- the runner's option ----------------------------------------------------------------
+
+
+def test_purepp_run_overlaps_the_agreement_only_when_asked() -> None:
+    parser = OptionParser(prog="purepp run")
+    add_run_options(parser)
+    plain = settings_from_args(parser.parse_args([]))
+    overlapped = settings_from_args(parser.parse_args(["--overlap-agreement"]))
+    assert plain.overlap_agreement is False
+    assert overlapped.overlap_agreement is True
+    # The rank processes get the flag; a plain run's argv is what it was.
+    assert "--overlap-agreement" in worker_argv(overlapped, None, None)
+    assert "--overlap-agreement" not in worker_argv(plain, None, None)
