@@ -13,7 +13,12 @@ A decode step on a rank of a PP x DP world is, in this order:
 
 The phases hand each other typed values (`Begun`, `Agreed`), so a step cannot skip the
 agreement, agree twice, or forget to end: each phase takes only what the one before it
-returned.
+returned. Each phase is a generator of effect tuples: the caller's driver performs every
+tuple before resuming it. `RankDriver` performs them at once on an interpreter (torch on
+CUDA or gloo, numpy, a recorder); the simulator's rank programs `yield from` the same
+phases. Tensors cross through a small seam, `StepIO`: bind the caller's tensors under
+the relay's own input names (shapes and dtypes are read from what is bound), and read
+the reduced DP table.
 
 `agree` is two halves that may be pulled apart: `start_agreement_phase` issues the
 all-reduce (asynchronously by default) and `settle` waits for it and decides. A runner
@@ -21,12 +26,9 @@ that knows the next step's batch early starts that step's agreement during this 
 forward (`start_next_agreement`, recorded on `Agreed.ahead`, carried by `RankState` and
 `Begun`) and settles it at the top of the next step, so the wait hides behind the
 forward. The lanes travel inside those values: a second start while one is in flight is
-a `dp.LaneBusyError`. Each phase is a generator of effect tuples: the caller's driver performs every
-tuple before resuming it. `RankDriver` performs them at once on an interpreter (torch on
-CUDA or gloo, numpy, a recorder); the simulator's rank programs `yield from` the same
-phases. Tensors cross through a small seam, `StepIO`: bind the caller's tensors under
-the relay's own input names (shapes and dtypes are read from what is bound), and read
-the reduced DP table.
+a `dp.LaneBusyError`, raised before anything is issued. (Such a step issues step T + 1's
+all-reduce among step T's effects; the simulator, which wants each rank's steps in
+order, does not run it yet.)
 """
 
 from __future__ import annotations
@@ -210,7 +212,8 @@ def _check_shape(shape: ShapeFacts) -> None:
 
 @attrs.frozen(kw_only=True)
 class Begun:
-    """A step whose relay entry was consumed: pass it to `agree`."""
+    """A step whose relay entry was consumed: pass it to `agree` (or, once its agreement
+    is started, to `settle`)."""
 
     relay: RelayState  # the relay after the consume
     lanes: dp.AgreementLanes  # the agreement lanes
