@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 import attrs
 import numpy as np
@@ -160,9 +160,15 @@ def groups() -> Iterator[dict[Communicator, dist.ProcessGroup]]:
         yield groups
 
 
-def _run(interp: TorchInterpreter, spec: int, wire: Wire) -> list[dict[str, list[object]]]:
-    """A receiver and a sender relay (both rank 0) for 30 steps; every bound tensor after
-    every batch."""
+def keyed_relay_program(
+    interp: TorchInterpreter,
+    spec: int,
+    wire: Wire,
+    after: Callable[[TorchInterpreter], None] | None = None,
+    rows: Callable[[int], int] = lambda step: 1 + step % 3,
+) -> list[dict[str, list[object]]]:
+    """A receiver and a sender relay (both rank 0) for 30 steps of `rows(step)` rows;
+    every bound tensor after every batch (`after` is called after each, too)."""
     slots = 6
     common = {"pp_size": 2, "last_rank": 0, "max_num_reqs": slots, "num_speculative_steps": spec}
     buckets = (2, 4, slots) if wire is Wire.FIXED else ()
@@ -178,6 +184,8 @@ def _run(interp: TorchInterpreter, spec: int, wire: Wire) -> list[dict[str, list
 
     def perform(effects: tuple[Effect, ...]) -> None:
         interp.perform(effects)
+        if after is not None:
+            after(interp)
         refs = interp.bound_refs()
         # In a one-rank world a receive "receives" its own uninitialised buffer: only the
         # names of what the receiver made are compared, and everything else's values.
@@ -189,7 +197,7 @@ def _run(interp: TorchInterpreter, spec: int, wire: Wire) -> list[dict[str, list
         seen.append(values | {"": sorted(r.name for r in refs)})
 
     for step in range(30):
-        n = 1 + step % 3
+        n = rows(step)
         idx = rng.permutation(slots)[:n].astype(np.int32)
         batch = BatchFacts(
             idx_mapping=idx,
@@ -236,7 +244,7 @@ def test_keyed_plans_match_eager(
 ) -> None:
     eager = TorchInterpreter(device=CPU, groups=groups, rank=0, checked=checked)
     planned = TorchInterpreter(device=CPU, groups=groups, rank=0, checked=checked, plans=True)
-    assert _run(planned, spec, wire) == _run(eager, spec, wire)
+    assert keyed_relay_program(planned, spec, wire) == keyed_relay_program(eager, spec, wire)
     planner = planned.planner
     assert planner is not None
     assert planner.planned > 3 * planner.lowered  # steady steps ran their plans

@@ -6,15 +6,22 @@ tests/test_interpreter_cuda.py, on a GPU.)
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Iterator
+
 import pytest
 import torch
+import torch.distributed as dist
 
-from purepp.effects.capture import _analyse, _Bind
+from benchmarks.one_rank import one_rank_world
+from purepp.effects import capture
+from purepp.effects.capture import Kernel, Slots, _analyse, _Bind
 from purepp.effects.plan import Plan, abstract, layout, roles
 from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.effects.vocabulary import (
     Allocate,
     BufferRef,
+    Communicator,
     DType,
     Effect,
     EventRef,
@@ -25,7 +32,9 @@ from purepp.effects.vocabulary import (
     Unpack,
 )
 from purepp.errors import ConfigError
+from purepp.relay import Wire
 from tests import _interpreter_programs as programs
+from tests.test_keyed_effects import keyed_relay_program
 
 CPU = torch.device("cpu")
 
@@ -125,3 +134,80 @@ def test_an_unpack_is_views_not_device_work(interp: TorchInterpreter) -> None:
 def test_capture_needs_cuda() -> None:
     with pytest.raises(ConfigError, match="capture on a cuda device"):
         TorchInterpreter(device=CPU, groups={}, rank=0, capture=True)
+
+
+# ---- replays on CPU: the graph emulated, everything around it real ------------------------
+
+
+def _emulated_record(kernels: list[Kernel], slots: Slots) -> Callable[[], None]:
+    """What a CUDA graph does, on CPU: capturing makes the static outputs without
+    touching the inputs (over zeroed stand-ins), and a replay reruns the kernels over
+    the inputs and writes into those outputs."""
+    scratch = {position: torch.zeros_like(tensor) for position, tensor in slots.items()}
+    for kernel in kernels:
+        kernel(scratch)
+    for position, tensor in scratch.items():
+        slots.setdefault(position, tensor)
+    static = dict(slots)
+
+    def launch() -> None:
+        scratch = dict(static)
+        for kernel in kernels:
+            kernel(scratch)
+        for position, tensor in scratch.items():
+            if tensor is not static[position]:
+                static[position].copy_(tensor)
+
+    return launch
+
+
+@pytest.fixture(scope="module")
+def gloo() -> Iterator[dict[Communicator, dist.ProcessGroup]]:
+    if dist.is_initialized():
+        pytest.fail("another test left a default process group initialised")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    with one_rank_world("cpu") as (_, groups):
+        yield groups
+
+
+@pytest.mark.parametrize("copies", [2, 3])
+@pytest.mark.parametrize("wire", list(Wire), ids=[w.value for w in Wire])
+@pytest.mark.parametrize("spec", [0, 2])
+def test_replays_match_eager_and_never_overwrite_a_held_receive(
+    gloo: dict[Communicator, dist.ProcessGroup],
+    monkeypatch: pytest.MonkeyPatch,
+    wire: Wire,
+    spec: int,
+    copies: int,
+) -> None:
+    """Receives are held for the ring's depth (2) and a step more: with 3 instances every
+    steady batch replays; with 2, a receive whose instances are both held runs as its
+    plan instead (fresh memory), never into a held instance."""
+    monkeypatch.setattr(capture, "_record", _emulated_record)
+    monkeypatch.setattr(capture.dist, "get_backend", lambda group: "nccl")  # gloo stands in
+    eager = TorchInterpreter(device=CPU, groups=gloo, rank=0)
+    captured = TorchInterpreter(device=CPU, groups=gloo, rank=0, plans=True)
+    planner = captured.planner
+    assert planner is not None
+    # What capture=True sets up, which the constructor allows on CUDA only.
+    planner._capture, planner._guarded, planner._copies = True, True, copies
+
+    def distinct_receives(interp: TorchInterpreter) -> None:
+        # Outputs of different steps' receives never share memory: a replay into an
+        # instance whose outputs a ring entry still holds would make them share it.
+        owners: dict[int, str] = {}
+        for ref in interp.bound_refs():
+            if isinstance(ref, BufferRef) and ref.name.startswith("rx.step"):
+                step = ref.name.split(".")[1]
+                pointer = interp.tensor(ref).untyped_storage().data_ptr()
+                assert owners.setdefault(pointer, step) == step, ref.name
+
+    def rows(step: int) -> int:
+        return 2 if step < 20 else 1 + step % 3  # one structure, then three in turn
+
+    want = keyed_relay_program(eager, spec, wire, rows=rows)
+    got = keyed_relay_program(captured, spec, wire, after=distinct_receives, rows=rows)
+    assert got == want
+    if copies == 3:
+        # Steady receives and sends replay (consumes too, when they scatter drafts).
+        assert planner.replayed >= 2 * 30 - 12, (planner.replayed, planner.planned)

@@ -85,7 +85,7 @@ from purepp.effects.vocabulary import (
 if TYPE_CHECKING:
     from purepp.effects.torch_interpreter import TorchInterpreter
 
-__all__ = ["replay"]
+__all__ = ["Kernel", "Slots", "replay"]
 
 Slots: TypeAlias = dict[int, torch.Tensor]  # position -> tensor, while capturing
 Kernel: TypeAlias = Callable[[Slots], None]
@@ -128,12 +128,11 @@ _NameOp: TypeAlias = _Bind | _Drop | _Record | _View
 class _Instance:
     """One captured graph and its static buffers."""
 
-    graph: torch.cuda.CUDAGraph
+    launch: Callable[[], None]  # replays the graph on the current stream (or nothing if empty)
     slots: Slots  # every position's tensor at the end of the capture (inputs included)
     # output position -> (Python refcount, storage use count) right after capture: more
     # means a name, a caller or a view still holds it
     baseline: dict[int, tuple[int, int]]
-    empty: bool = False  # the capture recorded no node: a replay launches nothing
 
 
 @attrs.define
@@ -161,60 +160,103 @@ def replay(
     names: list[Name],
     *,
     copies: int,
-) -> bool:
-    """Run this batch by replaying a CUDA graph of `plan`; False: run the plan instead."""
+) -> bool | None:
+    """Perform this batch by replaying a CUDA graph of `plan` (True), or run as the plan
+    when every instance is still held (False); None: the plan cannot be captured, and
+    nothing was performed."""
     capturable = plan.capture
     if capturable is None:
         capturable = _analyse(interp, plan)
         if capturable is None:
             plan.uncapturable = True
-            return False
+            return None
         plan.capture = capturable
-    buffers = interp.env.buffers
-    instance = _free_instance(interp, capturable, names, copies)
-    if instance is None:
-        return False
-    stream = interp.cuda_stream(capturable.stream)
-    prior = torch.cuda.current_stream(interp.device)
+    cuda = interp.device.type == "cuda"  # CPU only in tests, with `_record` emulated
+    stream = interp.cuda_stream(capturable.stream) if cuda else None
+    prior = torch.cuda.current_stream(interp.device) if cuda else None
     handlers = plan.handlers
     try:
+        # The prefix first: it may bind what the segment reads (a CopyHostToDevice).
         for index in range(capturable.first):
             handlers[index](effects[index])
+        instance = _free_instance(interp, capturable, names, copies)
+        if instance is None:
+            for index in range(capturable.first, len(effects)):
+                handlers[index](effects[index])
+            return False
         interp.on_stream(capturable.stream)
         slots = instance.slots
-        for position in capturable.copied:
-            tensor = buffers[typing.cast(BufferRef, names[position])]
-            slots[position].copy_(tensor, non_blocking=True)
-            tensor.record_stream(stream)  # read on S: keep its memory until S is past it
-        for index, position, _ in capturable.host:
-            source = typing.cast(CopyHostToDevice, effects[index]).source
-            staging = torch.empty(source.shape, dtype=torch.int32, pin_memory=True)
-            staging.numpy()[...] = source
-            slots[position].copy_(staging, non_blocking=True)
-        if not instance.empty:
-            instance.graph.replay()
-        for op in capturable.name_ops:
-            match op:
-                case _Bind():
-                    if op.source in capturable.made or op.source == op.out:
-                        value = slots[op.source]
-                    else:
-                        value = buffers[typing.cast(BufferRef, names[op.source])]
-                    buffers[typing.cast(BufferRef, names[op.out])] = value
-                case _Drop():
-                    del buffers[typing.cast(BufferRef, names[op.position])]
-                case _Record():
-                    tensor = buffers[typing.cast(BufferRef, names[op.position])]
-                    tensor.record_stream(interp.cuda_stream(op.stream))
-                case _View():
-                    handlers[op.index](effects[op.index])
-                case _:
-                    typing.assert_never(op)
+        _stage(interp, capturable, slots, effects=effects, names=names, stream=stream)
+        instance.launch()
+        _rebind(interp, capturable, slots, plan=plan, effects=effects, names=names)
         for index in range(capturable.last + 1, len(effects)):
             handlers[index](effects[index])
     finally:
-        interp.restore_stream(prior)
+        if prior is not None:
+            interp.restore_stream(prior)
     return True
+
+
+def _stage(
+    interp: TorchInterpreter,
+    capturable: _Capturable,
+    slots: Slots,
+    *,
+    effects: tuple[Effect, ...],
+    names: list[Name],
+    stream: torch.cuda.Stream | None,
+) -> None:
+    """Before a replay, on S: the read inputs and the host arrays into the static buffers."""
+    buffers = interp.env.buffers
+    cuda = stream is not None
+    for position in capturable.copied:
+        tensor = buffers[typing.cast(BufferRef, names[position])]
+        slots[position].copy_(tensor, non_blocking=True)
+        if stream is not None:
+            tensor.record_stream(stream)  # read on S: keep its memory until S is past it
+    for index, position, _ in capturable.host:
+        source = typing.cast(CopyHostToDevice, effects[index]).source
+        if cuda:
+            # Pinned staging: the copy does not block the host (the caching host
+            # allocator keeps the staging memory until the copy on S has run).
+            staging = torch.empty(source.shape, dtype=torch.int32, pin_memory=True)
+            staging.numpy()[...] = source
+            slots[position].copy_(staging, non_blocking=True)
+        else:
+            slots[position].copy_(torch.from_numpy(source.copy()))
+
+
+def _rebind(
+    interp: TorchInterpreter,
+    capturable: _Capturable,
+    slots: Slots,
+    *,
+    plan: Plan,
+    effects: tuple[Effect, ...],
+    names: list[Name],
+) -> None:
+    """After a replay: the segment's changes to names, as eager would make them."""
+    buffers = interp.env.buffers
+    cuda = interp.device.type == "cuda"
+    handlers = plan.handlers
+    for op in capturable.name_ops:
+        match op:
+            case _Bind():
+                if op.source in capturable.made or op.source == op.out:
+                    value = slots[op.source]
+                else:
+                    value = buffers[typing.cast(BufferRef, names[op.source])]
+                buffers[typing.cast(BufferRef, names[op.out])] = value
+            case _Drop():
+                del buffers[typing.cast(BufferRef, names[op.position])]
+            case _Record():
+                if cuda:
+                    tensor = buffers[typing.cast(BufferRef, names[op.position])]
+                    tensor.record_stream(interp.cuda_stream(op.stream))
+            case _View():
+                handlers[op.index](effects[op.index])
+            case _:
+                typing.assert_never(op)
 
 
 def _free_instance(
@@ -250,22 +292,35 @@ def _capture(interp: TorchInterpreter, capturable: _Capturable, names: list[Name
         slots[position] = torch.empty(tuple(like.shape), dtype=like.dtype, device=like.device)
     for _, position, shape in capturable.host:
         slots[position] = torch.empty(shape, dtype=torch.int32, device=interp.device)
+    launch = _record(capturable.kernels, slots)
+    # Baselines: what holds each output now (the slots dict, views made while capturing).
+    baseline = {p: _holders(slots, p) for p in capturable.made}
+    return _Instance(launch=launch, slots=slots, baseline=baseline)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _record(kernels: list[Kernel], slots: Slots) -> Callable[[], None]:
+    """Capture `kernels` over `slots` into a CUDA graph; what replays it on the current
+    stream. (Tests on CPU replace this with an emulation, to check what surrounds it.)"""
     graph = torch.cuda.CUDAGraph()
     # The graph's own capture stream is current inside: kernels queue there, not on S.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            for kernel in capturable.kernels:
+            for kernel in kernels:
                 kernel(slots)
-    # A segment of allocations and collectives that queue nothing (a one-rank NCCL
-    # broadcast in place) captures no node: such a graph is not worth a launch.
-    empty = any("Graph is empty" in str(w.message) for w in caught)
     for w in caught:
         if "Graph is empty" not in str(w.message):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    # Baselines: what holds each output now (the slots dict, views made while capturing).
-    baseline = {p: _holders(slots, p) for p in capturable.made}
-    return _Instance(graph=graph, slots=slots, baseline=baseline, empty=empty)
+    # A segment of allocations and collectives that queue nothing (a one-rank NCCL
+    # broadcast in place) captures no node: such a graph is not worth a launch.
+    if any("Graph is empty" in str(w.message) for w in caught):
+        return _nothing
+    replay: Callable[[], None] = graph.replay  # the bound method keeps the graph alive
+    return replay
 
 
 def _unheld(slots: Slots, position: int, baseline: tuple[int, int]) -> bool:

@@ -486,8 +486,12 @@ class Planner:
         if self._capture and not plan.uncapturable:
             from purepp.effects.capture import replay  # CUDA only
 
-            if replay(interp, plan, effects, names, copies=self._copies):
-                self.replayed += 1
+            replayed = replay(interp, plan, effects, names, copies=self._copies)
+            if replayed is not None:  # performed, by a replay or (instances held) the plan
+                if replayed:
+                    self.replayed += 1
+                else:
+                    self.planned += 1
                 return
         self.planned += 1
         interp.run_handlers(plan.handlers, effects)
