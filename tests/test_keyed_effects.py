@@ -140,12 +140,14 @@ def test_a_keyed_batch_is_a_tuple_and_any_edit_unkeys_it() -> None:
     sent = broadcast_sampled(config, init_relay(config), batch, tokens)
     effects = sent.effects
     assert isinstance(effects, KeyedEffects)
-    assert effects == tuple(effects) and hash(effects) == hash(tuple(effects))
+    assert effects == tuple(effects)
+    assert hash(effects) == hash(tuple(effects))
     assert type(effects[1:]) is tuple
     assert type(effects + effects[:1]) is tuple
     assert type(attrs.evolve(sent, effects=tuple(effects[:-1])).effects) is tuple
     copied = pickle.loads(pickle.dumps(effects))
-    assert copied == effects and copied.structure == effects.structure
+    assert copied == effects
+    assert copied.structure == effects.structure
 
 
 # ---- keyed plans run exactly as eager on a one-rank gloo world ---------------------------
