@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 from collections.abc import Callable, Hashable, Iterator
+from typing import Any
 
 import attrs
 import numpy as np
@@ -48,7 +49,7 @@ CPU = torch.device("cpu")
 def relay_pairs(draw: st.DrawFn) -> tuple[RelayConfig, RelayConfig]:
     """A receiving stage and the last stage of one pipeline, any wire and options."""
     pp = draw(st.integers(2, 3))
-    common = {
+    common: dict[str, Any] = {
         "pp_size": pp,
         "max_num_reqs": draw(st.integers(1, 6)),
         "num_speculative_steps": draw(st.integers(0, 2)),
@@ -56,8 +57,8 @@ def relay_pairs(draw: st.DrawFn) -> tuple[RelayConfig, RelayConfig]:
         "validate_header": draw(st.booleans()),
         "wire": draw(st.sampled_from(Wire)),
     }
-    receiver = RelayConfig.for_stage(stage=draw(st.integers(0, pp - 2)), **common)  # type: ignore[arg-type]
-    return receiver, RelayConfig.for_stage(stage=pp - 1, **common)  # type: ignore[arg-type]
+    receiver = RelayConfig.for_stage(stage=draw(st.integers(0, pp - 2)), **common)
+    return receiver, RelayConfig.for_stage(stage=pp - 1, **common)
 
 
 Batches = list[tuple[Effect, ...]]
@@ -172,10 +173,15 @@ def keyed_relay_program(
     """A receiver and a sender relay (both rank 0) for 30 steps of `rows(step)` rows;
     every bound tensor after every batch (`after` is called after each, too)."""
     slots = 6
-    common = {"pp_size": 2, "last_rank": 0, "max_num_reqs": slots, "num_speculative_steps": spec}
+    common: dict[str, Any] = {
+        "pp_size": 2,
+        "last_rank": 0,
+        "max_num_reqs": slots,
+        "num_speculative_steps": spec,
+    }
     buckets = (2, 4, slots) if wire is Wire.FIXED else ()
-    receiver = RelayConfig(stage=0, wire=wire, buckets=buckets, name="rx", **common)  # type: ignore[arg-type]
-    sender = RelayConfig(stage=1, wire=wire, buckets=buckets, name="tx", **common)  # type: ignore[arg-type]
+    receiver = RelayConfig(stage=0, wire=wire, buckets=buckets, name="rx", **common)
+    sender = RelayConfig(stage=1, wire=wire, buckets=buckets, name="tx", **common)
     rx, tx = init_relay(receiver), init_relay(sender)
     table = torch.arange(slots * spec, dtype=torch.int64).reshape(slots, spec)
     interp.bind(sender.inputs.draft_table, table)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -184,7 +185,7 @@ def test_replays_match_eager_and_never_overwrite_a_held_receive(
     steady batch replays; with 2, a receive whose instances are both held runs as its
     plan instead (fresh memory), never into a held instance."""
     monkeypatch.setattr(capture, "_record", _emulated_record)
-    monkeypatch.setattr(capture.dist, "get_backend", lambda group: "nccl")  # gloo stands in
+    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")  # gloo stands in
     eager = TorchInterpreter(device=CPU, groups=gloo, rank=0)
     captured = TorchInterpreter(device=CPU, groups=gloo, rank=0, plans=True)
     planner = captured.planner
@@ -199,7 +200,8 @@ def test_replays_match_eager_and_never_overwrite_a_held_receive(
         for ref in interp.bound_refs():
             if isinstance(ref, BufferRef) and ref.name.startswith("rx.step"):
                 step = ref.name.split(".")[1]
-                pointer = interp.tensor(ref).untyped_storage().data_ptr()
+                storage: Any = interp.tensor(ref).untyped_storage()  # the stubs lack data_ptr
+                pointer = storage.data_ptr()
                 assert owners.setdefault(pointer, step) == step, ref.name
 
     def rows(step: int) -> int:
