@@ -149,6 +149,9 @@ class _Capturable:
     host: tuple[tuple[int, int, tuple[int, ...]], ...]
     made: tuple[int, ...]  # positions the segment binds to its own tensors
     name_ops: tuple[_NameOp, ...]  # the segment's changes to names, replayed after the graph
+    cuda_stream: torch.cuda.Stream | None  # S itself (None on CPU, in tests)
+    # copied inputs the batch itself records on S (RecordStream): no second record
+    recorded: frozenset[int]
     instances: list[_Instance] = attrs.Factory(list)
     turn: int = 0  # the instance tried first next time
 
@@ -171,9 +174,7 @@ def replay(
             plan.uncapturable = True
             return None
         plan.capture = capturable
-    cuda = interp.device.type == "cuda"  # CPU only in tests, with `_record` emulated
-    stream = interp.cuda_stream(capturable.stream) if cuda else None
-    prior = torch.cuda.current_stream(interp.device) if cuda else None
+    stream = capturable.cuda_stream  # None only on CPU, in tests, with `_record` emulated
     handlers = plan.handlers
     try:
         # The prefix first: it may bind what the segment reads (a CopyHostToDevice).
@@ -192,8 +193,7 @@ def replay(
         for index in range(capturable.last + 1, len(effects)):
             handlers[index](effects[index])
     finally:
-        if prior is not None:
-            interp.restore_stream(prior)
+        interp.restore_stream()
     return True
 
 
@@ -209,10 +209,11 @@ def _stage(
     """Before a replay, on S: the read inputs and the host arrays into the static buffers."""
     buffers = interp.env.buffers
     cuda = stream is not None
+    recorded = capturable.recorded
     for position in capturable.copied:
         tensor = buffers[typing.cast(BufferRef, names[position])]
         slots[position].copy_(tensor, non_blocking=True)
-        if stream is not None:
+        if stream is not None and position not in recorded:
             tensor.record_stream(stream)  # read on S: keep its memory until S is past it
     for index, position, _ in capturable.host:
         source = typing.cast(CopyHostToDevice, effects[index]).source
@@ -409,9 +410,26 @@ def _analyse(interp: TorchInterpreter, plan: Plan) -> _Capturable | None:
             streams.add(stream)
     if len(streams) != 1 or segment.refused:
         return None
-    baked = segment.baked
+    stream = streams.pop()
+    # An input only read whose tensor is the one the plan was lowered with (a table that
+    # lives as long as the relay) is baked, not copied in every replay: a run with
+    # another tensor there picks an instance captured with it, or runs as the plan.
+    buffers = interp.env.buffers
+    steady = {
+        p
+        for p in segment.reads
+        if (first_seen := plan.identities.get(p)) is not None
+        and first_seen() is not None
+        and buffers.get(typing.cast(BufferRef, plan.names[p])) is first_seen()
+    }
+    baked = segment.baked | steady
+    recorded = frozenset(
+        at[effect.buffer]
+        for effect in effects
+        if isinstance(effect, RecordStream) and effect.stream is stream
+    )
     return _Capturable(
-        stream=streams.pop(),
+        stream=stream,
         first=first,
         last=last,
         kernels=segment.kernels,
@@ -420,6 +438,8 @@ def _analyse(interp: TorchInterpreter, plan: Plan) -> _Capturable | None:
         host=tuple(segment.host),
         made=tuple(segment.made),
         name_ops=tuple(segment.name_ops),
+        cuda_stream=interp.cuda_stream(stream) if interp.device.type == "cuda" else None,
+        recorded=recorded,
     )
 
 

@@ -33,6 +33,7 @@ layouts run eagerly.
 from __future__ import annotations
 
 import typing
+import weakref
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -316,6 +317,9 @@ class Plan:
         self._makes = by_role[Role.MAKE]
         self._events_in, self._events_made = by_role[Role.EVENT_IN], by_role[Role.EVENT_MAKE]
         self._works_in, self._works_made = by_role[Role.WORK_IN], by_role[Role.WORK_MAKE]
+        # The tensors of the READ positions at lowering (capture=True): an input still bound
+        # to the same tensor at capture is baked into the graph instead of copied in.
+        self.identities: dict[int, weakref.ref[torch.Tensor]] = {}
         # CUDA graphs of this plan (purepp.effects.capture), made on its first replay.
         self.capture: Any = None
         self.uncapturable = False  # set once capture found the plan cannot be captured
@@ -472,11 +476,17 @@ class Planner:
             for position, role in enumerate(positions)
             if role == Role.READ and names[position] in buffers
         }
+        identities = (
+            {p: weakref.ref(buffers[typing.cast(BufferRef, names[p])]) for p in inputs}
+            if self._capture
+            else {}
+        )
         # The first meeting runs eagerly: that validates the batch and raises eager's errors.
         self.eager += 1
         interp.perform_eager(effects)
         handlers = [interp.handler(e) for e in effects]
         plan = Plan(effects, names, positions, inputs, handlers, checked=interp.checked)
+        plan.identities = identities
         variants.append(plan)
         self.lowered += 1
         return True

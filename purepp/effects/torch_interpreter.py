@@ -277,6 +277,12 @@ class _PendingWork:
     comm: Communicator  # the communicator it runs on, for error messages
 
 
+# The raw stream calls behind torch.cuda.current_stream/set_stream: no Stream object is
+# built per batch (the stubs in typings/ leave them out).
+# (None in a CPU-only build, which never calls them.)
+_current_stream: Any = getattr(torch._C, "_cuda_getCurrentStream", None)
+_set_stream: Any = getattr(torch._C, "_cuda_setStream", None)
+
 _TORCH_DTYPES: dict[DType, torch.dtype] = {d: torch_dtype(d) for d in DType}
 _ITEMSIZE: dict[DType, int] = {d: itemsize(d) for d in DType}
 
@@ -383,6 +389,10 @@ class TorchInterpreter:
             }
         # The stream kernels are queued on now (CUDA); None outside `perform`.
         self._current: Stream | None = None
+        # The caller's stream while `_current` is set: (stream id, device index, type).
+        self._prior: tuple[int, int, int] = (0, 0, 0)
+        main: Any = None if self._streams is None else self._streams[Stream.MAIN]
+        self._device_index: int = -1 if main is None else main.device_index
         self.env: Environment[torch.Tensor, _Event, _PendingWork] = Environment("TorchInterpreter")
         self._handlers: dict[type, Callable[[Any], None]] = {
             WaitStream: self._wait_stream,
@@ -510,14 +520,13 @@ class TorchInterpreter:
             return
         # CUDA: kernels switch the current stream only when theirs differs (one switch per
         # run of effects on one stream); the caller's current stream comes back at the end.
-        prior = torch.cuda.current_stream(self._device)
         try:
             for effect in effects:
                 if checked:
                     self._validate(effect)
                 handlers[type(effect)](effect)
         finally:
-            self.restore_stream(prior)
+            self.restore_stream()
 
     def handler(self, effect: Effect) -> Callable[[Any], None]:
         """The fast handler of `effect`'s kind (plans call it without validation)."""
@@ -531,22 +540,27 @@ class TorchInterpreter:
             for handler, effect in zip(handlers, effects, strict=True):
                 handler(effect)
             return
-        prior = torch.cuda.current_stream(self._device)
         try:
             for handler, effect in zip(handlers, effects, strict=True):
                 handler(effect)
         finally:
-            self.restore_stream(prior)
+            self.restore_stream()
 
-    def restore_stream(self, prior: torch.cuda.Stream) -> None:
-        """Make `prior` current again if a kernel switched streams (CUDA)."""
+    def restore_stream(self) -> None:
+        """Make the caller's stream current again if a kernel switched streams (CUDA)."""
         if self._current is not None:
             self._current = None
-            torch.cuda.set_stream(prior)
+            stream_id, device_index, device_type = self._prior
+            _set_stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
 
     def on_stream(self, stream: Stream) -> None:
-        """Make `stream` current for the kernels that follow (CUDA; inside `perform`)."""
+        """Make `stream` current for the kernels that follow (CUDA; inside `perform`).
+
+        The caller's stream is read at the first switch only (raw ids, no Stream object),
+        so a batch that queues no kernel never asks for it."""
         if self._streams is not None and self._current is not stream:
+            if self._current is None:
+                self._prior = _current_stream(self._device_index)
             torch.cuda.set_stream(self._streams[stream])
             self._current = stream
 
