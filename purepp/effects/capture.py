@@ -73,6 +73,7 @@ from purepp.effects.vocabulary import (
     RecordStream,
     Release,
     ScatterRows,
+    Section,
     StackRows,
     Stream,
     Synchronize,
@@ -152,6 +153,10 @@ class _Capturable:
     cuda_stream: torch.cuda.Stream | None  # S itself (None on CPU, in tests)
     # copied inputs the batch itself records on S (RecordStream): no second record
     recorded: frozenset[int]
+    # Unpacks after the segment of a source it made (the received wire): views of static
+    # memory, made once per instance and bound after each replay. Effect index -> the
+    # source position and each section's position.
+    static_views: dict[int, tuple[int, tuple[tuple[int, Section], ...]]]
     instances: list[_Instance] = attrs.Factory(list)
     turn: int = 0  # the instance tried first next time
 
@@ -190,10 +195,32 @@ def replay(
         _stage(interp, capturable, slots, effects=effects, names=names, stream=stream)
         instance.launch()
         _rebind(interp, capturable, slots, plan=plan, effects=effects, names=names)
+        static_views = capturable.static_views
         for index in range(capturable.last + 1, len(effects)):
-            handlers[index](effects[index])
+            if index not in static_views or not _bind_views(
+                interp, slots, static_views[index][1], names
+            ):
+                handlers[index](effects[index])
     finally:
         interp.restore_stream()
+    return True
+
+
+def _bind_views(
+    interp: TorchInterpreter,
+    slots: Slots,
+    sections: tuple[tuple[int, Section], ...],
+    names: list[Name],
+) -> bool:
+    """Bind an Unpack's names to the instance's views; False: a name is taken, so the
+    eager handler runs (and raises what eager raises)."""
+    env = interp.env
+    buffers, pending = env.buffers, env.pending_results
+    refs = [typing.cast(BufferRef, names[q]) for q, _ in sections]
+    if any(ref in buffers or ref in pending for ref in refs):
+        return False
+    for ref, (q, _) in zip(refs, sections, strict=True):
+        buffers[ref] = slots[q]
     return True
 
 
@@ -294,8 +321,14 @@ def _capture(interp: TorchInterpreter, capturable: _Capturable, names: list[Name
     for _, position, shape in capturable.host:
         slots[position] = torch.empty(shape, dtype=torch.int32, device=interp.device)
     launch = _record(capturable.kernels, slots)
+    views = []
+    for p, sections in capturable.static_views.values():
+        for q, section in sections:
+            slots[q] = section_view(slots[p], section)
+            views.append(q)
     # Baselines: what holds each output now (the slots dict, views made while capturing).
-    baseline = {p: _holders(slots, p) for p in capturable.made}
+    # The static views are bound to names themselves, so their own counts tell too.
+    baseline = {p: _holders(slots, p) for p in (*capturable.made, *views)}
     return _Instance(launch=launch, slots=slots, baseline=baseline)
 
 
@@ -428,6 +461,12 @@ def _analyse(interp: TorchInterpreter, plan: Plan) -> _Capturable | None:
         for effect in effects
         if isinstance(effect, RecordStream) and effect.stream is stream
     )
+    made = set(segment.made)
+    static_views = {
+        index: (at[effect.source], tuple((at[s.buffer], s) for s in effect.sections))
+        for index, effect in enumerate(effects)
+        if index > last and isinstance(effect, Unpack) and at[effect.source] in made
+    }
     return _Capturable(
         stream=stream,
         first=first,
@@ -440,6 +479,7 @@ def _analyse(interp: TorchInterpreter, plan: Plan) -> _Capturable | None:
         name_ops=tuple(segment.name_ops),
         cuda_stream=interp.cuda_stream(stream) if interp.device.type == "cuda" else None,
         recorded=recorded,
+        static_views=static_views,
     )
 
 
