@@ -297,7 +297,18 @@ def _layout(tensor: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
 
 def section_view(packed: torch.Tensor, section: Section) -> torch.Tensor:
     """The region of the contiguous `packed` buffer that `section` names, as a view."""
-    size = math.prod(section.shape) * _ITEMSIZE[section.dtype]
+    dtype = _TORCH_DTYPES[section.dtype]
+    itemsize = _ITEMSIZE[section.dtype]
+    count = math.prod(section.shape)
+    if packed.dtype.itemsize >= itemsize:
+        # The common case (an int64 wire, int64 or int32 sections) in three view ops: the
+        # section's offset is a multiple of its own element size (checked at the boundary).
+        flat = packed.reshape(-1)
+        if flat.dtype is not dtype:
+            flat = flat.view(dtype)
+        start = section.offset // itemsize
+        return flat[start : start + count].view(*section.shape)
+    size = count * itemsize
     # Flat first: viewing a 2-D buffer as bytes keeps its leading dimension.
     raw = packed.reshape(-1).view(torch.uint8)[section.offset : section.offset + size]
     return raw.view(_TORCH_DTYPES[section.dtype]).view(*section.shape)
@@ -389,6 +400,8 @@ class TorchInterpreter:
             }
         # The stream kernels are queued on now (CUDA); None outside `perform`.
         self._current: Stream | None = None
+        # CUDA events waited on or forgotten, recorded again by later RecordEvents.
+        self._event_pool: list[torch.cuda.Event] = []
         # The caller's stream while `_current` is set: (stream id, device index, type).
         self._prior: tuple[int, int, int] = (0, 0, 0)
         main: Any = None if self._streams is None else self._streams[Stream.MAIN]
@@ -657,20 +670,30 @@ class TorchInterpreter:
             self._streams[effect.stream].wait_stream(self._streams[effect.waits_for])
 
     def _record_event(self, effect: RecordEvent) -> None:
-        event: _Event = (
-            _CpuEvent(effect.event)
-            if self._streams is None
-            else self._streams[effect.stream].record_event()
-        )
-        self.env.record_event(effect, effect.event, event)
+        env = self.env
+        if self._streams is None:
+            env.record_event(effect, effect.event, _CpuEvent(effect.event))
+            return
+        env.check_recordable(effect, effect.event)
+        # Events come back to the pool once waited on or forgotten: a wait is queued with
+        # the state the event had when it was issued, so recording it again is safe, and
+        # no CUDA event is created and destroyed per step.
+        pool = self._event_pool
+        event = pool.pop() if pool else torch.cuda.Event()
+        event.record(self._streams[effect.stream])
+        env.events[effect.event] = event
 
     def _wait_event(self, effect: WaitEvent) -> None:
         event = self.env.take_event(effect, effect.event)
         if self._streams is not None and isinstance(event, torch.cuda.Event):
             self._streams[effect.stream].wait_event(event)
+            self._event_pool.append(event)
 
     def _forget_event(self, effect: ForgetEvent) -> None:
+        event = self.env.events.get(effect.event)
         self.env.forget_event(effect, effect.event)
+        if isinstance(event, torch.cuda.Event):
+            self._event_pool.append(event)
 
     def _record_stream(self, effect: RecordStream) -> None:
         tensor = self.env.lookup(effect, effect.buffer)
