@@ -7,6 +7,7 @@ tests/test_interpreter_cuda.py, on a GPU.)
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -143,21 +144,25 @@ def test_capture_needs_cuda() -> None:
 def _emulated_record(kernels: list[Kernel], slots: Slots) -> Callable[[], None]:
     """What a CUDA graph does, on CPU: capturing makes the static outputs without
     touching the inputs (over zeroed stand-ins), and a replay reruns the kernels over
-    the inputs and writes into those outputs."""
+    the inputs and writes into those outputs. Like a graph, it holds no reference to
+    its inputs (their memory stays alive through whoever owns them)."""
+    inputs = {position: weakref.ref(tensor) for position, tensor in slots.items()}
     scratch = {position: torch.zeros_like(tensor) for position, tensor in slots.items()}
     for kernel in kernels:
         kernel(scratch)
-    for position, tensor in scratch.items():
-        slots.setdefault(position, tensor)
-    static = dict(slots)
+    outputs = {p: tensor for p, tensor in scratch.items() if p not in inputs}
+    slots.update(outputs)
 
     def launch() -> None:
-        scratch = dict(static)
+        scratch: Slots = {}
+        for position, ref in inputs.items():
+            tensor = ref()
+            assert tensor is not None, "a replay read an input whose tensor is gone"
+            scratch[position] = tensor
         for kernel in kernels:
             kernel(scratch)
-        for position, tensor in scratch.items():
-            if tensor is not static[position]:
-                static[position].copy_(tensor)
+        for position, tensor in outputs.items():
+            tensor.copy_(scratch[position])
 
     return launch
 

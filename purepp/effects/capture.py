@@ -46,6 +46,7 @@ from __future__ import annotations
 import sys
 import typing
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -134,6 +135,7 @@ class _Instance:
     # output position -> (Python refcount, storage use count) right after capture: more
     # means a name, a caller or a view still holds it
     baseline: dict[int, tuple[int, int]]
+    steady: dict[int, weakref.ref[torch.Tensor]]  # the steady inputs it was captured with
 
 
 @attrs.define
@@ -146,6 +148,9 @@ class _Capturable:
     kernels: list[Kernel]  # the segment's device work over slots, in order
     copied: tuple[int, ...]  # input positions only read: copied into static buffers
     baked: tuple[int, ...]  # input positions written in place or viewed: must be identical
+    # inputs only read but baked all the same (see `_steady`); an instance holds them
+    # weakly, so baking another graph's output does not hold that graph's instance
+    steady: tuple[int, ...]
     # (effect index, position, shape) of each CopyHostToDevice: copied in before the replay
     host: tuple[tuple[int, int, tuple[int, ...]], ...]
     made: tuple[int, ...]  # positions the segment binds to its own tensors
@@ -157,6 +162,7 @@ class _Capturable:
     # memory, made once per instance and bound after each replay. Effect index -> the
     # source position and each section's position.
     static_views: dict[int, tuple[int, tuple[tuple[int, Section], ...]]]
+    plan: Plan  # the plan it was analysed from
     instances: list[_Instance] = attrs.Factory(list)
     turn: int = 0  # the instance tried first next time
 
@@ -174,7 +180,7 @@ def replay(
     nothing was performed."""
     capturable = plan.capture
     if capturable is None:
-        capturable = _analyse(interp, plan)
+        capturable = _analyse(interp, plan, names)
         if capturable is None:
             plan.uncapturable = True
             return None
@@ -297,13 +303,27 @@ def _free_instance(
         index = (capturable.turn + offset) % count
         instance = capturable.instances[index]
         slots = instance.slots
-        if all(
-            buffers.get(typing.cast(BufferRef, names[p])) is slots[p] for p in capturable.baked
-        ) and all(_unheld(slots, p, held) for p, held in instance.baseline.items()):
+        if (
+            all(buffers.get(typing.cast(BufferRef, names[p])) is slots[p] for p in capturable.baked)
+            and all(
+                buffers.get(typing.cast(BufferRef, names[p])) is instance.steady[p]()
+                for p in capturable.steady
+            )
+            and all(_unheld(slots, p, held) for p, held in instance.baseline.items())
+        ):
             capturable.turn = (index + 1) % max(count, 1)
             return instance
     if count >= copies:
         return None
+    if capturable.steady:
+        # Capture only over inputs that stay: an instance baked on a passing tensor would
+        # never replay again, and hold one of the few places.
+        plan, static = capturable.plan, _static_outputs(interp)
+        if not all(
+            _steady(plan, static, p, buffers.get(typing.cast(BufferRef, names[p])))
+            for p in capturable.steady
+        ):
+            return None
     instance = _capture(interp, capturable, names)
     capturable.instances.append(instance)
     capturable.turn = 0
@@ -313,7 +333,7 @@ def _free_instance(
 def _capture(interp: TorchInterpreter, capturable: _Capturable, names: list[Name]) -> _Instance:
     buffers = interp.env.buffers
     slots: Slots = {}
-    for position in capturable.baked:
+    for position in (*capturable.baked, *capturable.steady):
         slots[position] = buffers[typing.cast(BufferRef, names[position])]
     for position in capturable.copied:
         like = buffers[typing.cast(BufferRef, names[position])]
@@ -321,15 +341,44 @@ def _capture(interp: TorchInterpreter, capturable: _Capturable, names: list[Name
     for _, position, shape in capturable.host:
         slots[position] = torch.empty(shape, dtype=torch.int32, device=interp.device)
     launch = _record(capturable.kernels, slots)
+    steady = {p: weakref.ref(slots.pop(p)) for p in capturable.steady}
     views = []
     for p, sections in capturable.static_views.values():
         for q, section in sections:
             slots[q] = section_view(slots[p], section)
             views.append(q)
+    static = _static_outputs(interp)
+    for p in (*capturable.made, *views):
+        tensor = slots[p]
+        static[id(tensor)] = weakref.ref(tensor)
     # Baselines: what holds each output now (the slots dict, views made while capturing).
     # The static views are bound to names themselves, so their own counts tell too.
     baseline = {p: _holders(slots, p) for p in (*capturable.made, *views)}
-    return _Instance(launch=launch, slots=slots, baseline=baseline)
+    return _Instance(launch=launch, slots=slots, baseline=baseline, steady=steady)
+
+
+def _steady(
+    plan: Plan,
+    static: dict[int, weakref.ref[torch.Tensor]],
+    position: int,
+    tensor: torch.Tensor | None,
+) -> bool:
+    """Whether an input only read may be baked: its tensor is the one the plan was
+    lowered with, or a static output of a graph instance."""
+    if tensor is None:
+        return False
+    first_seen = plan.identities.get(position)
+    if first_seen is not None and first_seen() is tensor:
+        return True
+    origin = static.get(id(tensor))
+    return origin is not None and origin() is tensor
+
+
+def _static_outputs(interp: TorchInterpreter) -> dict[int, weakref.ref[torch.Tensor]]:
+    """Every graph instance's static outputs on `interp`, by id (a dict, not a WeakSet:
+    tensors compare elementwise); none without a planner (an analysis alone)."""
+    planner = interp.planner
+    return {} if planner is None else planner.static_outputs
 
 
 def _nothing() -> None:
@@ -419,8 +468,12 @@ class _Segment:
             self.baked.add(position)
 
 
-def _analyse(interp: TorchInterpreter, plan: Plan) -> _Capturable | None:
-    """The plan's capture layout, or None when it cannot be captured (see the module)."""
+def _analyse(
+    interp: TorchInterpreter, plan: Plan, names: list[Name] | None = None
+) -> _Capturable | None:
+    """The plan's capture layout, or None when it cannot be captured (see the module).
+    `names`: the bindings of the run about to replay (default: the plan's own)."""
+    names = plan.names if names is None else names
     effects = plan.effects
     at = {name: position for position, name in enumerate(plan.names)}
     # The segment is bounded by graph work: a CopyHostToDevice is host staging, so one
@@ -445,17 +498,18 @@ def _analyse(interp: TorchInterpreter, plan: Plan) -> _Capturable | None:
         return None
     stream = streams.pop()
     # An input only read whose tensor is the one the plan was lowered with (a table that
-    # lives as long as the relay) is baked, not copied in every replay: a run with
-    # another tensor there picks an instance captured with it, or runs as the plan.
+    # lives as long as the relay), or a static output of another graph (a received wire,
+    # one of that graph's few instances), is baked, not copied in every replay: a run
+    # with another tensor there picks an instance captured with it, or runs as the plan.
     buffers = interp.env.buffers
+    static = _static_outputs(interp)
     steady = {
         p
         for p in segment.reads
-        if (first_seen := plan.identities.get(p)) is not None
-        and first_seen() is not None
-        and buffers.get(typing.cast(BufferRef, plan.names[p])) is first_seen()
+        if _steady(plan, static, p, buffers.get(typing.cast(BufferRef, names[p])))
     }
-    baked = segment.baked | steady
+    baked = segment.baked
+    steady -= baked
     recorded = frozenset(
         at[effect.buffer]
         for effect in effects
@@ -472,14 +526,16 @@ def _analyse(interp: TorchInterpreter, plan: Plan) -> _Capturable | None:
         first=first,
         last=last,
         kernels=segment.kernels,
-        copied=tuple(sorted(segment.reads - baked)),
+        copied=tuple(sorted(segment.reads - baked - steady)),
         baked=tuple(sorted(baked)),
+        steady=tuple(sorted(steady)),
         host=tuple(segment.host),
         made=tuple(segment.made),
         name_ops=tuple(segment.name_ops),
         cuda_stream=interp.cuda_stream(stream) if interp.device.type == "cuda" else None,
         recorded=recorded,
         static_views=static_views,
+        plan=plan,
     )
 
 

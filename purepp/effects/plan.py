@@ -431,6 +431,8 @@ class Planner:
         self._capture = capture
         self._copies = copies
         self._guarded = capture or interp.checked  # plans that need their guards
+        # Static outputs of every captured graph instance, by id (purepp.effects.capture).
+        self.static_outputs: dict[int, weakref.ref[torch.Tensor]] = {}
         self.lowered = 0  # plans made
         self.planned = 0  # batches run by a plan (not replayed)
         self.eager = 0  # batches run eagerly: first meetings, bindings that did not fit
