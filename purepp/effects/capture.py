@@ -1,44 +1,54 @@
 """CUDA-graph capture of a plan: a steady batch replays with one graph launch.
 
 What is captured. A plan's batch splits into a *prefix*, a *device segment* and a
-*suffix*. The segment runs from the first to the last effect that queues device work
-(Allocate, CopyHostToDevice, Broadcast, PadColumns, StackRows, GatherRows, ScatterRows,
-Pack, Unpack); it may also hold effects that only change names (Release, Alias,
-RecordStream, ForgetEvent). A plan is captured only if:
+*suffix*. The segment runs from the first to the last effect that queues graph work
+(Allocate, Broadcast, PadColumns, StackRows, GatherRows, ScatterRows, Pack), extended
+back over the CopyHostToDevice effects right before it (their copies are staged into
+static buffers); it may also hold CopyHostToDevice, Unpack and effects that only change
+names (Release, Alias, RecordStream). A plan is captured only if:
 - all its device work is on one stream S, and every broadcast runs over an NCCL group;
 - no stream ordering (WaitStream, WaitEvent, RecordEvent, ForgetEvent) and no host
   work (AllReduce, WaitWork, CheckHeader, Synchronize) sits inside the segment: they
-  run, as eager runs them, before or after the whole segment.
-The relay's receive and broadcast batches have this shape. Anything else runs as a plan.
+  run, as eager runs them, before or after the whole segment (so a receive never makes
+  main wait for its broadcast: the consume's WaitEvent, ring_depth steps later, does).
+The relay's receive, send and draft-scatter batches have this shape (a consume's
+CopyHostToDevice before its WaitEvent runs in the prefix). Anything else runs as a plan.
 
 How a replay runs (all on S, with no host sync):
-1. the prefix is performed as eager would (waits on other streams);
-2. inputs the segment only reads are copied into the instance's static buffers; the
+1. the prefix is performed as eager would (waits on other streams, host copies);
+2. an instance is picked (below), captured first if none fits and fewer than `copies`
+   exist; if none can be had, the rest of the batch runs as the plan;
+3. inputs the segment only reads are copied into the instance's static buffers; the
    host arrays of CopyHostToDevice go through fresh pinned staging with a
    non-blocking copy into their static device buffers (both outside the graph);
-3. `graph.replay()` on S;
-4. the names are bound as eager would bind them, to the instance's static outputs
+4. the graph is launched on S (a graph that captured no node, such as a one-rank
+   NCCL broadcast in place, is not launched);
+5. the names are bound as eager would bind them, to the instance's static outputs
    (views included), and released names are dropped;
-5. the suffix is performed as eager would (record events on S, after the replay).
+6. the suffix is performed as eager would (record events on S, after the replay); an
+   Unpack of a wire the segment made binds views made once per instance.
 Inputs the segment writes in place (a ScatterRows target, a broadcast's receive
 buffer) or views (an Unpack source) are baked into the graph: a run replays only if
-that input is the very tensor captured, else it runs as a plan.
+that input is the very tensor captured. So are inputs only read whose tensor stays
+(the one the plan was lowered with, or another instance's static output, such as the
+drafts a consume scatters): held weakly, so baking never keeps another instance busy.
 
 Outputs outlive the step. The relay keeps what it receives for `ring_depth` steps, so
 a replay must not overwrite outputs that are still in use. Each plan keeps up to
 `copies` graph instances (pass ring_depth + 1), each with its own static outputs, and
-a run uses an instance none of whose outputs is referenced outside it any more (their
-Python reference counts are back to what they were right after capture). If all are
-still in use, the run falls back to the plan, so outputs are never overwritten while
-held; a too-small `copies` costs speed, not correctness. (A caller that keeps a view
-it made itself of an output, past that output's release, is not seen: release views
-with their buffers.)
+a run uses an instance none of whose outputs (or static views) is referenced outside
+it any more: their Python reference counts and storage use counts are back to what
+they were right after capture. If all are still in use, the run falls back to the
+plan, so outputs are never overwritten while held; a too-small `copies` costs speed,
+not correctness. (A caller that keeps a view it made itself of an output, past that
+output's release, is not seen: release views with their buffers.)
 
 Capture happens the first time an instance is needed: the plan's first (eager) run
 was the warm-up (NCCL communicators and kernels initialised); `torch.cuda.graph`
 synchronises the device while it captures, so steady steps are the ones after the
 `copies` captures. NCCL collectives are captured with capture_error_mode
 "thread_local", so the NCCL watchdog thread's queries do not invalidate the capture.
+Recording the graph is `_record`; tests on CPU emulate it to check everything around it.
 """
 
 from __future__ import annotations
