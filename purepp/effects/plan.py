@@ -7,6 +7,12 @@ section layouts of its effects, and where each name recurs. `relay.step7.tokens`
 *bindings*: the names, the step number and the host data (copied arrays, expected
 headers, all-reduce contributions; their shapes are structure).
 
+Finding the structure. A batch a pure step built carries its structure key
+(`purepp.effects.keyed.KeyedEffects`: the relay's steps key theirs by configuration, rows
+and branch), so its plans are one dict lookup away and its names are read by straight-
+line code generated once per structure (`name_reader`). A plain tuple (any batch a
+caller assembled or edited) is abstracted effect by effect (`abstract`), as before.
+
 The first time `Planner` meets a structure it performs the batch eagerly, which
 validates it and raises what eager raises, and then lowers it into a `Plan`:
 
@@ -16,9 +22,12 @@ validates it and raises what eager raises, and then lowers it into a `Plan`:
   (with the roles) before anything changes: a batch whose bindings differ (an input
   unbound or of another shape, a made name already bound) falls back to eager, which
   performs it or raises exactly what eager raises;
-- each effect becomes a closure over what was resolved once (stream, process group,
-  broadcast options, dtype, shape) that performs it with no checks, on the names of
-  the run.
+- each effect keeps the interpreter's fast handler (streams, groups, broadcast options
+  and dtypes are resolved once by the interpreter itself).
+
+In fast mode a plan that is not captured runs exactly eager's handlers, so it needs
+no guard; checked mode (which skips the per-effect validation for a plan) and capture
+(which relies on input layouts and names) check the guards first.
 
 A plan changes the environment effect by effect, as eager does, so a collective that
 fails half-way leaves the same environment behind. Streams are switched through the
