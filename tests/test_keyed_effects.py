@@ -183,9 +183,12 @@ def keyed_relay_program(
     receiver = RelayConfig(stage=0, wire=wire, buckets=buckets, name="rx", **common)
     sender = RelayConfig(stage=1, wire=wire, buckets=buckets, name="tx", **common)
     rx, tx = init_relay(receiver), init_relay(sender)
-    table = torch.arange(slots * spec, dtype=torch.int64).reshape(slots, spec)
+    device = interp.device
+    table = torch.arange(slots * spec, dtype=torch.int64).reshape(slots, spec).to(device)
     interp.bind(sender.inputs.draft_table, table)
-    interp.bind(receiver.inputs.draft_table, torch.zeros((slots, spec), dtype=torch.int64))
+    interp.bind(
+        receiver.inputs.draft_table, torch.zeros((slots, spec), dtype=torch.int64).to(device)
+    )
     table_spec = TensorSpec(shape=(slots, spec), dtype=DType.INT64)
     rng = np.random.default_rng(spec)
     seen: list[dict[str, list[object]]] = []
@@ -215,10 +218,11 @@ def keyed_relay_program(
         )
         width = 1 if step % 4 == 3 else spec + 1
         for config in (receiver, sender):
-            interp.bind(config.inputs.idx_mapping, torch.from_numpy(idx.copy()))
-        interp.bind(sender.inputs.sampled_tokens, torch.full((n, width), step, dtype=torch.int64))
-        interp.bind(sender.inputs.num_sampled, torch.ones(n, dtype=torch.int32))
-        interp.bind(sender.inputs.num_rejected, torch.zeros(n, dtype=torch.int32))
+            interp.bind(config.inputs.idx_mapping, torch.from_numpy(idx.copy()).to(device))
+        tokens_now = torch.full((n, width), step, dtype=torch.int64)
+        interp.bind(sender.inputs.sampled_tokens, tokens_now.to(device))
+        interp.bind(sender.inputs.num_sampled, torch.ones(n, dtype=torch.int32).to(device))
+        interp.bind(sender.inputs.num_rejected, torch.zeros(n, dtype=torch.int32).to(device))
         # The sender's broadcast (this rank is the source) is what the receiver gets.
         consumed = consume_previous_step(receiver, rx, update_drafts=spec > 0)
         perform(consumed.effects)
