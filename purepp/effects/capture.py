@@ -33,6 +33,12 @@ that input is the very tensor captured. So are inputs only read whose tensor sta
 (the one the plan was lowered with, or another instance's static output, such as the
 drafts a consume scatters): held weakly, so baking never keeps another instance busy.
 
+Static memory is rewritten on S by a later replay of the same instance, once no name
+holds it: the readers' streams must be ordered before that replay, as the relay's are
+(each receive and send begins with WaitStream(relay, main), so a receive's outputs read
+on main at consume are read before the relay stream writes them again). RecordStream
+of static memory is skipped: the allocator never reuses it.
+
 Outputs outlive the step. The relay keeps what it receives for `ring_depth` steps, so
 a replay must not overwrite outputs that are still in use. Each plan keeps up to
 `copies` graph instances (pass ring_depth + 1), each with its own static outputs, and
@@ -172,6 +178,9 @@ class _Capturable:
     # memory, made once per instance and bound after each replay. Effect index -> the
     # source position and each section's position.
     static_views: dict[int, tuple[int, tuple[tuple[int, Section], ...]]]
+    # RecordStreams after the segment of static memory (its outputs and their views),
+    # which the allocator never reuses: nothing to record
+    skipped: frozenset[int]
     plan: Plan  # the plan it was analysed from
     instances: list[_Instance] = attrs.Factory(list)
     turn: int = 0  # the instance tried first next time
@@ -211,8 +220,10 @@ def replay(
         _stage(interp, capturable, slots, effects=effects, names=names, stream=stream)
         instance.launch()
         _rebind(interp, capturable, slots, plan=plan, effects=effects, names=names)
-        static_views = capturable.static_views
+        static_views, skipped = capturable.static_views, capturable.skipped
         for index in range(capturable.last + 1, len(effects)):
+            if index in skipped:
+                continue
             if index not in static_views or not _bind_views(
                 interp, slots, static_views[index][1], names
             ):
@@ -417,19 +428,26 @@ def _record(kernels: list[Kernel], slots: Slots) -> Callable[[], None]:
 
 
 def _unheld(slots: Slots, position: int, baseline: tuple[int, int]) -> bool:
-    references, storage = _holders(slots, position)
-    return references <= baseline[0] and storage <= baseline[1]
+    """Whether nothing holds the output at `position` beyond its baseline (`_holders`);
+    the references first: they tell a held output without building a storage object."""
+    tensor = slots[position]
+    if sys.getrefcount(tensor) > baseline[0]:
+        return False
+    return _storage_uses(tensor) <= baseline[1]
 
 
 def _holders(slots: Slots, position: int) -> tuple[int, int]:
     """Who holds the output at `position`: Python references to it (names bound to it,
-    a caller's), and tensors on its storage (views of it, such as an Unpack's). Always
-    measured through this one function, so the frames' own references count the same
-    in a baseline and in a check; an output is free when neither is above its baseline.
+    a caller's), and tensors on its storage (views of it, such as an Unpack's). Counted
+    in frames shaped like `_unheld`'s (a local and the argument), so that a baseline and
+    a check count the frames' own references alike.
     """
     tensor = slots[position]
-    storage = torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
-    return sys.getrefcount(tensor), storage
+    return sys.getrefcount(tensor), _storage_uses(tensor)
+
+
+def _storage_uses(tensor: torch.Tensor) -> int:
+    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
 
 
 # -- analysis: which plans can be captured, and their kernels over slots ------------------
@@ -545,6 +563,20 @@ def _analyse(
         cuda_stream=interp.cuda_stream(stream) if interp.device.type == "cuda" else None,
         recorded=recorded,
         static_views=static_views,
+        skipped=frozenset(
+            index
+            for index, effect in enumerate(effects)
+            if index > last
+            and isinstance(effect, RecordStream)
+            and (
+                at[effect.buffer] in made
+                or any(
+                    at[effect.buffer] == q
+                    for _, sections in static_views.values()
+                    for q, _ in sections
+                )
+            )
+        ),
         plan=plan,
     )
 
