@@ -64,7 +64,7 @@ import typing
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import attrs
 import torch
@@ -141,6 +141,29 @@ class _View:
 
 _NameOp: TypeAlias = _Bind | _Drop | _Record | _View
 
+# The name ops as (tag, a, b) int triples, for the replay's loop (`_compiled`).
+_BIND_SLOT, _BIND_NAME, _DROP, _RECORD, _VIEW = range(5)
+_STREAM_CODES = {stream: stream.value for stream in Stream}
+
+
+def _compiled(ops: tuple[_NameOp, ...], made: tuple[int, ...]) -> tuple[tuple[Any, ...], ...]:
+    """`ops` as tagged triples: bind out from a slot or from a name, drop, record, view."""
+    out: list[tuple[Any, ...]] = []
+    for op in ops:
+        match op:
+            case _Bind():
+                slot = op.source in made or op.source == op.out
+                out.append((_BIND_SLOT if slot else _BIND_NAME, op.out, op.source))
+            case _Drop():
+                out.append((_DROP, op.position, 0))
+            case _Record():
+                out.append((_RECORD, op.position, _STREAM_CODES[op.stream]))
+            case _View():
+                out.append((_VIEW, op.index, 0))
+            case _:
+                typing.assert_never(op)
+    return tuple(out)
+
 
 @attrs.define
 class _Instance:
@@ -171,6 +194,7 @@ class _Capturable:
     host: tuple[tuple[int, int, tuple[int, ...]], ...]
     made: tuple[int, ...]  # positions the segment binds to its own tensors
     name_ops: tuple[_NameOp, ...]  # the segment's changes to names, replayed after the graph
+    compiled: tuple[tuple[Any, ...], ...]  # the same as tagged triples (`_compiled`)
     cuda_stream: torch.cuda.Stream | None  # S itself (None on CPU, in tests)
     # copied inputs the batch itself records on S (RecordStream): no second record
     recorded: frozenset[int]
@@ -291,47 +315,32 @@ def _rebind(
     names: list[Name],
 ) -> None:
     """After a replay: the segment's changes to names, as eager would make them."""
-    buffers = interp.env.buffers
-    cuda = interp.device.type == "cuda"
-    handlers = plan.handlers
-    for op in capturable.name_ops:
-        match op:
-            case _Bind():
-                if op.source in capturable.made or op.source == op.out:
-                    value = slots[op.source]
-                else:
-                    value = buffers[typing.cast(BufferRef, names[op.source])]
-                buffers[typing.cast(BufferRef, names[op.out])] = value
-            case _Drop():
-                del buffers[typing.cast(BufferRef, names[op.position])]
-            case _Record():
-                if cuda:
-                    tensor = buffers[typing.cast(BufferRef, names[op.position])]
-                    tensor.record_stream(interp.cuda_stream(op.stream))
-            case _View():
-                handlers[op.index](effects[op.index])
-            case _:
-                typing.assert_never(op)
+    buffers: dict[Any, torch.Tensor] = interp.env.buffers
+    stream = capturable.cuda_stream
+    for tag, first, second in capturable.compiled:
+        if tag == _BIND_SLOT:
+            buffers[names[first]] = slots[second]
+        elif tag == _BIND_NAME:
+            buffers[names[first]] = buffers[names[second]]
+        elif tag == _DROP:
+            del buffers[names[first]]
+        elif tag == _RECORD:
+            if stream is not None:
+                buffers[names[first]].record_stream(interp.cuda_stream(Stream(second)))
+        else:  # _VIEW
+            plan.handlers[first](effects[first])
 
 
 def _free_instance(
     interp: TorchInterpreter, capturable: _Capturable, names: list[Name], copies: int
 ) -> _Instance | None:
     """An instance whose outputs nobody holds and whose baked inputs are this run's."""
-    buffers = interp.env.buffers
+    buffers: dict[Any, torch.Tensor] = interp.env.buffers
     count = len(capturable.instances)
     for offset in range(count):
         index = (capturable.turn + offset) % count
         instance = capturable.instances[index]
-        slots = instance.slots
-        if (
-            all(buffers.get(typing.cast(BufferRef, names[p])) is slots[p] for p in capturable.baked)
-            and all(
-                buffers.get(typing.cast(BufferRef, names[p])) is instance.steady[p]()
-                for p in capturable.steady
-            )
-            and all(_unheld(slots, p, held) for p, held in instance.baseline.items())
-        ):
+        if _fits(instance, capturable, buffers, names):
             capturable.turn = (index + 1) % max(count, 1)
             return instance
     if count >= copies:
@@ -349,6 +358,25 @@ def _free_instance(
     capturable.instances.append(instance)
     capturable.turn = 0
     return instance
+
+
+def _fits(
+    instance: _Instance,
+    capturable: _Capturable,
+    buffers: dict[Any, torch.Tensor],
+    names: list[Name],
+) -> bool:
+    """Whether this run may replay `instance`: its baked inputs are this run's tensors,
+    and nothing holds its outputs any more."""
+    slots = instance.slots
+    for p in capturable.baked:
+        if buffers.get(names[p]) is not slots[p]:
+            return False
+    steady = instance.steady
+    for p in capturable.steady:
+        if buffers.get(names[p]) is not steady[p]():
+            return False
+    return all(_unheld(slots, p, held) for p, held in instance.baseline.items())
 
 
 def _capture(interp: TorchInterpreter, capturable: _Capturable, names: list[Name]) -> _Instance:
@@ -560,6 +588,7 @@ def _analyse(
         host=tuple(segment.host),
         made=tuple(segment.made),
         name_ops=tuple(segment.name_ops),
+        compiled=_compiled(tuple(segment.name_ops), tuple(segment.made)),
         cuda_stream=interp.cuda_stream(stream) if interp.device.type == "cuda" else None,
         recorded=recorded,
         static_views=static_views,

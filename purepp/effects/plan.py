@@ -326,6 +326,7 @@ class Plan:
         self._makes = by_role[Role.MAKE]
         self._events_in, self._events_made = by_role[Role.EVENT_IN], by_role[Role.EVENT_MAKE]
         self._works_in, self._works_made = by_role[Role.WORK_IN], by_role[Role.WORK_MAKE]
+        self._ordering = any(by_role[role] for role in range(Role.EVENT_IN, Role.WORK_MAKE + 1))
         # The tensors of the READ positions at lowering (capture=True): an input still bound
         # to the same tensor at capture is baked into the graph instead of copied in.
         self.identities: dict[int, weakref.ref[torch.Tensor]] = {}
@@ -345,19 +346,29 @@ class Plan:
                 or (contiguous is not None and tensor.is_contiguous() is not contiguous)
             ):
                 return False
-        if pending and any(names[p] in pending for p, _, _, _ in self._reads):
-            return False
+        if pending:
+            for position, _, _, _ in self._reads:
+                if names[position] in pending:
+                    return False
         for position in self._makes:
             name = names[position]
             if name in buffers or name in pending:
                 return False
-        events, works = env.events, env.works
-        return (
-            all(names[p] in events for p in self._events_in)
-            and not any(names[p] in events for p in self._events_made)
-            and all(names[p] in works for p in self._works_in)
-            and not any(names[p] in works for p in self._works_made)
-        )
+        if self._ordering:
+            events, works = env.events, env.works
+            for position in self._events_in:
+                if names[position] not in events:
+                    return False
+            for position in self._events_made:
+                if names[position] in events:
+                    return False
+            for position in self._works_in:
+                if names[position] not in works:
+                    return False
+            for position in self._works_made:
+                if names[position] in works:
+                    return False
+        return True
 
 
 def _fields(effect: Effect) -> list[str]:
@@ -465,6 +476,12 @@ class Planner:
         variants = family.plans
         if variants:
             if not self._guarded:
+                self.planned += 1
+                interp.run_handlers(variants[0].handlers, effects)
+                return True
+            if variants[0].uncapturable and not interp.checked:
+                # Capture found no graph in this structure: its plans run eager's
+                # handlers, which need no guard (as in fast mode without capture).
                 self.planned += 1
                 interp.run_handlers(variants[0].handlers, effects)
                 return True
