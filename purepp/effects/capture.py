@@ -401,8 +401,10 @@ def _capture(interp: TorchInterpreter, capturable: _Capturable, names: list[Name
         tensor = slots[p]
         static[id(tensor)] = weakref.ref(tensor)
     # Baselines: what holds each output now (the slots dict, views made while capturing).
-    # The static views are bound to names themselves, so their own counts tell too.
-    baseline = {p: _holders(slots, p) for p in (*capturable.made, *views)}
+    # The static views are bound to names themselves, so their own references tell too
+    # (their storage is their source's, whose use count covers every view of it).
+    baseline = {p: _holders(slots, p) for p in capturable.made}
+    baseline |= {q: (_holders(slots, q)[0], _ANY) for q in views}
     return _Instance(launch=launch, slots=slots, baseline=baseline, steady=steady)
 
 
@@ -461,7 +463,10 @@ def _unheld(slots: Slots, position: int, baseline: tuple[int, int]) -> bool:
     tensor = slots[position]
     if sys.getrefcount(tensor) > baseline[0]:
         return False
-    return _storage_uses(tensor) <= baseline[1]
+    return baseline[1] == _ANY or _storage_uses(tensor) <= baseline[1]
+
+
+_ANY = -1  # a baseline storage count that is not checked (a view: its source's is)
 
 
 def _holders(slots: Slots, position: int) -> tuple[int, int]:

@@ -346,13 +346,15 @@ class Plan:
                 or (contiguous is not None and tensor.is_contiguous() is not contiguous)
             ):
                 return False
-        if pending:
+        if pending:  # rare: tables of an all-reduce in flight
             for position, _, _, _ in self._reads:
                 if names[position] in pending:
                     return False
+            for position in self._makes:
+                if names[position] in pending:
+                    return False
         for position in self._makes:
-            name = names[position]
-            if name in buffers or name in pending:
+            if names[position] in buffers:
                 return False
         if self._ordering:
             events, works = env.events, env.works
