@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from benchmarks.one_rank import one_rank_world
 from purepp.effects.torch_interpreter import scatter_rows, section_view
@@ -103,6 +104,12 @@ def main() -> None:
             with torch.cuda.graph(one):
                 loose.add_(1)
             current: Any = torch.cuda.current_stream  # the stubs leave out its device
+            # What a captured send replays: a pad and the NCCL broadcast of its result.
+            padded: dict[str, torch.Tensor] = {}
+            send = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(send, capture_error_mode="thread_local"):
+                padded["out"] = F.pad(tokens[:, :1], (0, 3), value=0)
+                group.broadcast([padded["out"]], options).wait()
             calls |= {
                 "torch.cuda.Event()": torch.cuda.Event,
                 "event.record(stream)": lambda: event.record(side),
@@ -114,6 +121,7 @@ def main() -> None:
                 "pinned staging + copy_ [64] int32": pinned_h2d,
                 "graph.replay() of one kernel": one.replay,
                 "graph.replay() of scatter_rows (7 kernels)": graph.replay,
+                "graph.replay() of a pad + NCCL broadcast": send.replay,
             }
         print(f"device={device} torch={version('torch')}: host µs per call, median")
         print()
