@@ -18,6 +18,7 @@ from importlib.metadata import version
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -40,6 +41,60 @@ def timed(call: Callable[[], object], calls: int, rounds: int, sync: Callable[[]
         times.append((time.perf_counter() - start) / calls)
         sync()
     return statistics.median(times) * 1e6
+
+
+def cuda_calls(
+    device: torch.device,
+    group: dist.ProcessGroup,
+    options: dist.BroadcastOptions,
+    tensors: dict[str, torch.Tensor],
+    host: npt.NDArray[np.int32],
+) -> dict[str, Callable[[], object]]:
+    """The stream, event, staging and graph calls (CUDA only)."""
+    n = host.shape[0]
+    tokens, index, table, drafts = (tensors[k] for k in ("tokens", "index", "table", "drafts"))
+    side = torch.cuda.Stream(device)
+    main = torch.cuda.current_stream(device)
+    event = torch.cuda.Event()
+    staging = index.clone()
+
+    def switch() -> None:
+        torch.cuda.set_stream(side)
+        torch.cuda.set_stream(main)
+
+    def pinned_h2d() -> None:
+        buffer = torch.empty(n, dtype=torch.int32, pin_memory=True)
+        buffer.numpy()[...] = host
+        staging.copy_(buffer, non_blocking=True)
+
+    graph = torch.cuda.CUDAGraph()
+    slots = {"index": index.clone(), "drafts": drafts.clone()}
+    with torch.cuda.graph(graph):
+        scatter_rows(slots["drafts"], slots["index"], table)
+    one = torch.cuda.CUDAGraph()
+    loose: Any = tokens  # the stubs leave out add_
+    with torch.cuda.graph(one):
+        loose.add_(1)
+    current: Any = torch.cuda.current_stream  # the stubs leave out its device
+    # What a captured send replays: a pad and the NCCL broadcast of its result.
+    padded: dict[str, torch.Tensor] = {}
+    send = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(send, capture_error_mode="thread_local"):
+        padded["out"] = F.pad(tokens[:, :1], (0, 3), value=0)
+        group.broadcast([padded["out"]], options).wait()
+    return {
+        "torch.cuda.Event()": torch.cuda.Event,
+        "event.record(stream)": lambda: event.record(side),
+        "stream.wait_event(event)": lambda: main.wait_event(event),
+        "stream.wait_stream(stream)": lambda: side.wait_stream(main),
+        "tensor.record_stream(stream)": lambda: tokens.record_stream(side),
+        "torch.cuda.set_stream x2": switch,
+        "torch.cuda.current_stream()": lambda: current(device),
+        "pinned staging + copy_ [64] int32": pinned_h2d,
+        "graph.replay() of one kernel": one.replay,
+        "graph.replay() of scatter_rows (7 kernels)": graph.replay,
+        "graph.replay() of a pad + NCCL broadcast": send.replay,
+    }
 
 
 def main() -> None:
@@ -81,48 +136,8 @@ def main() -> None:
             ),
         }
         if cuda:
-            side = torch.cuda.Stream(device)
-            main = torch.cuda.current_stream(device)
-            event = torch.cuda.Event()
-            staging = index.clone()
-
-            def switch() -> None:
-                torch.cuda.set_stream(side)
-                torch.cuda.set_stream(main)
-
-            def pinned_h2d() -> None:
-                buffer = torch.empty(n, dtype=torch.int32, pin_memory=True)
-                buffer.numpy()[...] = host
-                staging.copy_(buffer, non_blocking=True)
-
-            graph = torch.cuda.CUDAGraph()
-            slots = {"index": index.clone(), "drafts": drafts.clone()}
-            with torch.cuda.graph(graph):
-                scatter_rows(slots["drafts"], slots["index"], table)
-            one = torch.cuda.CUDAGraph()
-            loose: Any = tokens  # the stubs leave out add_
-            with torch.cuda.graph(one):
-                loose.add_(1)
-            current: Any = torch.cuda.current_stream  # the stubs leave out its device
-            # What a captured send replays: a pad and the NCCL broadcast of its result.
-            padded: dict[str, torch.Tensor] = {}
-            send = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(send, capture_error_mode="thread_local"):
-                padded["out"] = F.pad(tokens[:, :1], (0, 3), value=0)
-                group.broadcast([padded["out"]], options).wait()
-            calls |= {
-                "torch.cuda.Event()": torch.cuda.Event,
-                "event.record(stream)": lambda: event.record(side),
-                "stream.wait_event(event)": lambda: main.wait_event(event),
-                "stream.wait_stream(stream)": lambda: side.wait_stream(main),
-                "tensor.record_stream(stream)": lambda: tokens.record_stream(side),
-                "torch.cuda.set_stream x2": switch,
-                "torch.cuda.current_stream()": lambda: current(device),
-                "pinned staging + copy_ [64] int32": pinned_h2d,
-                "graph.replay() of one kernel": one.replay,
-                "graph.replay() of scatter_rows (7 kernels)": graph.replay,
-                "graph.replay() of a pad + NCCL broadcast": send.replay,
-            }
+            tensors = {"tokens": tokens, "index": index, "table": table, "drafts": drafts}
+            calls |= cuda_calls(device, group, options, tensors, host)
         print(f"device={device} torch={version('torch')}: host µs per call, median")
         print()
         print("| call | µs |")
