@@ -15,7 +15,10 @@ switched only when a kernel's stream differs from the last one's (the caller's s
 is restored when `perform` returns), broadcasts and all-reduces issued on the process
 group directly with options built once per (communicator, source), and error text
 built only when raising (the shared environment, purepp.effects._environment, names
-the effect). `Synchronize` waits for the CUDA stream; on CPU it has nothing to wait
+the effect). CUDA events are pooled: one that was waited on or forgotten is recorded
+again by a later RecordEvent, and WaitStream records one reusable marker (a queued wait
+keeps the state its event had when the wait was issued). `Synchronize` waits for the
+CUDA stream; on CPU it has nothing to wait
 for. `Pack` and `Unpack` move bytes of one int64 wire: Pack copies each source into
 the top-left corner of its zeroed section, Unpack binds views (no copy).
 
@@ -402,6 +405,8 @@ class TorchInterpreter:
         self._current: Stream | None = None
         # CUDA events waited on or forgotten, recorded again by later RecordEvents.
         self._event_pool: list[torch.cuda.Event] = []
+        # The event a WaitStream records on the stream waited for (CUDA).
+        self._marker: Any = None if self._streams is None else torch.cuda.Event()
         # The caller's stream while `_current` is set: (stream id, device index, type).
         self._prior: tuple[int, int, int] = (0, 0, 0)
         main: Any = None if self._streams is None else self._streams[Stream.MAIN]
@@ -667,7 +672,11 @@ class TorchInterpreter:
 
     def _wait_stream(self, effect: WaitStream) -> None:
         if self._streams is not None:
-            self._streams[effect.stream].wait_stream(self._streams[effect.waits_for])
+            # What Stream.wait_stream does, with one reusable event instead of a new one
+            # per call: a wait is queued with the state the event has when it is issued.
+            marker = self._marker
+            marker.record(self._streams[effect.waits_for])
+            self._streams[effect.stream].wait_event(marker)
 
     def _record_event(self, effect: RecordEvent) -> None:
         env = self.env
