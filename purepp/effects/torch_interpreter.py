@@ -918,7 +918,7 @@ def scatter_rows(source: torch.Tensor, index: torch.Tensor, target: torch.Tensor
     slots; the relay maps each slot to one row).
     """
     keep = index != -1
-    rows = index.clamp(min=0).long()
+    rows = index.clamp(min=0)  # int32 or int64: both index kernels take either
     delta = (source - target.index_select(0, rows)) * keep.view(-1, *([1] * (source.ndim - 1)))
     target.index_add_(0, rows, delta)
 
