@@ -304,13 +304,15 @@ def section_view(packed: torch.Tensor, section: Section) -> torch.Tensor:
     itemsize = _ITEMSIZE[section.dtype]
     count = math.prod(section.shape)
     if packed.dtype.itemsize >= itemsize:
-        # The common case (an int64 wire, int64 or int32 sections) in three view ops: the
-        # section's offset is a multiple of its own element size (checked at the boundary).
-        flat = packed.reshape(-1)
+        # The common case (an int64 wire, int64 or int32 sections) in one to three view
+        # ops: the section's offset is a multiple of its own element size (checked at the
+        # boundary).
+        flat = packed if packed.dim() == 1 else packed.reshape(-1)
         if flat.dtype is not dtype:
             flat = flat.view(dtype)
         start = section.offset // itemsize
-        return flat[start : start + count].view(*section.shape)
+        region = flat[start : start + count]
+        return region if len(section.shape) == 1 else region.view(*section.shape)
     size = count * itemsize
     # Flat first: viewing a 2-D buffer as bytes keeps its leading dimension.
     raw = packed.reshape(-1).view(torch.uint8)[section.offset : section.offset + size]
