@@ -658,6 +658,7 @@ def start_agreement(
         lane=lane,
         asynchronous=asynchronous,
     )
+    step = int(step)  # a checked numpy integer becomes the Python int every name uses
     desired = _desired_descriptor(dispatcher, batch)
     busy = _lanes(step, lanes.drafter) if lane is Lane.TARGET else _lanes(lanes.target, step)
     decided: DispatchOutcome | None = None
