@@ -37,7 +37,8 @@ def run_stage(stage: int, rendezvous: str) -> None:
         begun = driver.begin(state)  # stage 0: the tokens stage 1 sampled 2 steps ago
         if begun.consumed is not None:
             tokens = interpreter.tensor(begun.consumed.sampled_tokens)[:, 0].tolist()
-            print(f"step {step}: stage 0 got {tokens} from step {begun.consumed.received_at_step}")
+            got = begun.consumed.received_at_step
+            print(f"step {step}: stage 0 got {tokens} from step {got}", flush=True)
         batch = BatchFacts(
             idx_mapping=[0, 1],
             num_computed_tokens=[4 + step, 9 + step],
@@ -53,7 +54,7 @@ def run_stage(stage: int, rendezvous: str) -> None:
                 num_rejected=torch.zeros(2, dtype=torch.int32),
             )
         state = driver.finish(agreed, sampled)  # relay the tokens, end the step
-    print(f"stage {stage}: agreed {agreed.descriptor}")
+    print(f"stage {stage}: agreed {agreed.descriptor}", flush=True)
     dist.destroy_process_group()
 
 
