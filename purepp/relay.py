@@ -528,6 +528,27 @@ def _packed_layout(rows: int, spec: int, header: bool) -> _Layout:
     return _Layout(header_at, tokens, num_sampled, num_rejected, drafts, max(offset, _ALIGN))
 
 
+def _broadcast(  # noqa: PLR0917  # the wire contract's fields, in their order
+    config: RelayConfig,
+    step: int,
+    op: Op,
+    buffer: BufferRef,
+    shape: tuple[int, ...],
+    dtype: DType,
+) -> Broadcast:
+    """A relay broadcast: from the last stage, over the relay communicator and stream."""
+    return Broadcast(
+        step=step,
+        op=op,
+        buffer=buffer,
+        shape=shape,
+        dtype=dtype,
+        src=config.last_rank,
+        comm=Communicator.PP_RELAY,
+        stream=Stream.RELAY,
+    )
+
+
 def _names(config: RelayConfig, step: int, *what: str) -> list[BufferRef]:
     prefix = f"{config.name}.step{step}."
     return [BufferRef(prefix + w) for w in what]
@@ -581,8 +602,6 @@ def _receive_seed(
     op = Op.RECEIVE
     n = batch.num_reqs
     spec = config.num_speculative_steps
-    src = config.last_rank
-    comm = Communicator.PP_RELAY
     relay = Stream.RELAY
     sampled, counts, num_sampled, num_rejected, idx_mapping = _names(
         config, step, "sampled_tokens", "counts", "num_sampled", "num_rejected", "idx_mapping"
@@ -604,16 +623,7 @@ def _receive_seed(
                 dtype=DType.INT32,
                 stream=relay,
             ),
-            Broadcast(
-                step=step,
-                op=op,
-                buffer=header[0],
-                shape=HEADER_SHAPE,
-                dtype=DType.INT32,
-                src=src,
-                comm=comm,
-                stream=relay,
-            ),
+            _broadcast(config, step, op, header[0], HEADER_SHAPE, DType.INT32),
             CheckHeader(
                 step=step, op=op, buffer=header[0], expected=relay_header(step, n), stream=relay
             ),
@@ -623,26 +633,8 @@ def _receive_seed(
             step=step, op=op, buffer=sampled, shape=sampled_shape, dtype=DType.INT64, stream=relay
         ),
         Allocate(step=step, op=op, buffer=counts, shape=(2, n), dtype=DType.INT32, stream=relay),
-        Broadcast(
-            step=step,
-            op=op,
-            buffer=sampled,
-            shape=sampled_shape,
-            dtype=DType.INT64,
-            src=src,
-            comm=comm,
-            stream=relay,
-        ),
-        Broadcast(
-            step=step,
-            op=op,
-            buffer=counts,
-            shape=(2, n),
-            dtype=DType.INT32,
-            src=src,
-            comm=comm,
-            stream=relay,
-        ),
+        _broadcast(config, step, op, sampled, sampled_shape, DType.INT64),
+        _broadcast(config, step, op, counts, (2, n), DType.INT32),
     ]
     drafts = None
     if spec:
@@ -651,16 +643,7 @@ def _receive_seed(
             Allocate(
                 step=step, op=op, buffer=drafts, shape=(n, spec), dtype=DType.INT64, stream=relay
             ),
-            Broadcast(
-                step=step,
-                op=op,
-                buffer=drafts,
-                shape=(n, spec),
-                dtype=DType.INT64,
-                src=src,
-                comm=comm,
-                stream=relay,
-            ),
+            _broadcast(config, step, op, drafts, (n, spec), DType.INT64),
         ]
     effects.append(RecordEvent(step=step, op=op, stream=relay, event=event))
     # The counts' two rows, as views (the seed's unbind): no copy, no kernel.
@@ -716,16 +699,7 @@ def _receive_packed(
     effects: list[Effect] = [
         WaitStream(step=step, op=op, stream=relay, waits_for=Stream.MAIN),
         Allocate(step=step, op=op, buffer=wire, shape=words, dtype=DType.INT64, stream=relay),
-        Broadcast(
-            step=step,
-            op=op,
-            buffer=wire,
-            shape=words,
-            dtype=DType.INT64,
-            src=config.last_rank,
-            comm=Communicator.PP_RELAY,
-            stream=relay,
-        ),
+        _broadcast(config, step, op, wire, words, DType.INT64),
     ]
     names: list[BufferRef] = [wire]
     if config.validate_header:
@@ -970,8 +944,6 @@ def _send_seed(
     step = state.step
     op = Op.BROADCAST
     n = batch.num_reqs
-    src = config.last_rank
-    comm = Communicator.PP_RELAY
     relay = Stream.RELAY
     inputs = config.inputs
     send_tokens, send_counts = _names(config, step, "send_sampled_tokens", "send_counts")
@@ -985,16 +957,7 @@ def _send_seed(
             CopyHostToDevice(
                 step=step, op=op, source=relay_header(step, n), buffer=sent[0], stream=relay
             ),
-            Broadcast(
-                step=step,
-                op=op,
-                buffer=sent[0],
-                shape=HEADER_SHAPE,
-                dtype=DType.INT32,
-                src=src,
-                comm=comm,
-                stream=relay,
-            ),
+            _broadcast(config, step, op, sent[0], HEADER_SHAPE, DType.INT32),
         ]
     effects += [
         # Send buffers are fresh snapshots: the caller may reuse its tensors at once.
@@ -1007,16 +970,7 @@ def _send_seed(
             fill=0,
             stream=relay,
         ),
-        Broadcast(
-            step=step,
-            op=op,
-            buffer=send_tokens,
-            shape=sampled_shape,
-            dtype=DType.INT64,
-            src=src,
-            comm=comm,
-            stream=relay,
-        ),
+        _broadcast(config, step, op, send_tokens, sampled_shape, DType.INT64),
         StackRows(
             step=step,
             op=op,
@@ -1024,16 +978,7 @@ def _send_seed(
             out=send_counts,
             stream=relay,
         ),
-        Broadcast(
-            step=step,
-            op=op,
-            buffer=send_counts,
-            shape=(2, n),
-            dtype=DType.INT32,
-            src=src,
-            comm=comm,
-            stream=relay,
-        ),
+        _broadcast(config, step, op, send_counts, (2, n), DType.INT32),
         # The caller's tensors were made on main and are read on the relay stream.
         *(
             RecordStream(step=step, op=op, buffer=b, stream=relay)
@@ -1129,16 +1074,7 @@ def _packed_broadcast(
         Pack(
             step=step, op=op, sections=tuple(sections), out=wire, nbytes=layout.nbytes, stream=relay
         ),
-        Broadcast(
-            step=step,
-            op=op,
-            buffer=wire,
-            shape=words,
-            dtype=DType.INT64,
-            src=config.last_rank,
-            comm=Communicator.PP_RELAY,
-            stream=relay,
-        ),
+        _broadcast(config, step, op, wire, words, DType.INT64),
         # The caller's tensors were made on main and are read on the relay stream.
         *(RecordStream(step=step, op=op, buffer=b, stream=relay) for b in read),
     ]
@@ -1197,16 +1133,7 @@ def broadcast_drafts(
         # each step, so the table is recorded too, or it could be freed mid-gather.
         RecordStream(step=step, op=op, buffer=inputs.idx_mapping, stream=relay),
         RecordStream(step=step, op=op, buffer=inputs.draft_table, stream=relay),
-        Broadcast(
-            step=step,
-            op=op,
-            buffer=send_drafts,
-            shape=shape,
-            dtype=DType.INT64,
-            src=config.last_rank,
-            comm=Communicator.PP_RELAY,
-            stream=relay,
-        ),
+        _broadcast(config, step, op, send_drafts, shape, DType.INT64),
     )
     effects = KeyedEffects(effects, ("relay.broadcast_drafts", config, batch.num_reqs))
     new_state = RelayState(
