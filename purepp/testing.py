@@ -94,6 +94,12 @@ __all__ = [
     "simulate_schedule",
 ]
 
+# The newest agreement's thresholds, small enough that scripted batches (a few tokens per
+# replica) microbatch on some steps and not on others.
+_SCRIPTED_MICROBATCH = dp.MicrobatchConfig(
+    num_ubatches=2, decode_token_threshold=2, prefill_token_threshold=4
+)
+
 # Token counts with a captured graph: small, so larger batches run eager and the
 # agreement sees every mode.
 CAPTURE_SIZES = (1, 2, 4, 8)
@@ -178,6 +184,9 @@ class ScheduleConfig:
     max_request_steps: int = 4  # most steps a request is scheduled before it is freed
     validate_header: bool = False  # the relay's opt-in header (RelayConfig.validate_header)
     wire: Wire = Wire.SEED  # the relay's wire format (RelayConfig.wire)
+    microbatch: bool = (
+        False  # the newest vLLM's six-row agreement (thresholds small enough to trip)
+    )
 
     def __attrs_post_init__(self) -> None:
         _check_schedule_config(self)
@@ -226,6 +235,15 @@ class Schedule:
 
     def at(self, step: int, replica: int) -> ReplicaStep:
         return self.steps[step][replica]
+
+    def agreement_group(self, replica: int) -> dp.AgreementGroup:
+        """Replica `replica`'s DP group, with the seed's table or the newest six rows."""
+        layout = (
+            dp.TableLayout(microbatch=_SCRIPTED_MICROBATCH)
+            if self.config.microbatch
+            else dp.SEED_TABLE
+        )
+        return dp.AgreementGroup(dp_size=self.config.dp, dp_rank=replica, layout=layout)
 
     def dispatcher(self) -> CudaGraphDispatcher:
         """The CUDA-graph table every rank of the world agrees with."""
@@ -498,7 +516,7 @@ def reduced_agreement_table(schedule: Schedule, step: int) -> IntArray:
             num_tokens=planned.num_tokens,
             uniform_token_count=planned.uniform_token_count,
         )
-        group = dp.AgreementGroup(dp_size=schedule.config.dp, dp_rank=replica)
+        group = schedule.agreement_group(replica)
         pending = dp.start_agreement(dp.AgreementLanes(), group, dispatcher, batch, step=step)
         if pending.result.contribution is None:
             raise ConfigError(
@@ -520,7 +538,7 @@ def rank_config(schedule: Schedule, rank: int) -> RankConfig:
     """Rank `rank`'s configuration of the rank step in the schedule's world."""
     return RankConfig(
         relay=schedule.relay_config(rank),
-        group=dp.AgreementGroup(dp_size=schedule.config.dp, dp_rank=schedule.world.dp_index(rank)),
+        group=schedule.agreement_group(schedule.world.dp_index(rank)),
         dispatcher=schedule.dispatcher(),
     )
 
@@ -686,6 +704,8 @@ def _plain(instance: object, field: attrs.Attribute[Any], value: object) -> obje
 def _written(field: attrs.Attribute[Any], value: object) -> bool:
     # Opt-in switches are written only when on: logs of default runs stay byte-identical
     # to those recorded before the switch existed (the golden logs).
+    if field.name == "microbatch":
+        return value is True
     if field.name == "wire":
         return value is not Wire.SEED
     return not (field.name == "validate_header" and value is False)

@@ -50,6 +50,7 @@ GOLDEN_CASES: dict[str, ScheduleConfig] = {
         pp=3, dp=1, spec=2, steps=_STEPS, seed=_SEED, wire=Wire.FIXED
     ),
     "dp2_fixed": ScheduleConfig(pp=2, dp=2, spec=1, steps=_STEPS, seed=_SEED, wire=Wire.FIXED),
+    "dp2_microbatch": ScheduleConfig(pp=2, dp=2, spec=1, steps=_STEPS, seed=_SEED, microbatch=True),
 }
 
 

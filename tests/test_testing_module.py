@@ -1,10 +1,12 @@
-"""purepp.testing's sequence assertions: a pass is silent, a mismatch shows the whole log."""
+"""purepp.testing: sequence assertions (a pass is silent, a mismatch shows the whole log),
+and scripted worlds on the newest vLLM agreement."""
 
 from __future__ import annotations
 
 import pytest
 
 from purepp.batch import BatchFacts
+from purepp.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from purepp.effects.vocabulary import (
     Alias,
     Allocate,
@@ -16,7 +18,7 @@ from purepp.effects.vocabulary import (
     WaitStream,
 )
 from purepp.relay import RelayConfig, consume_previous_step, init_relay, receive
-from purepp.testing import assert_effect_sequence
+from purepp.testing import ScheduleConfig, assert_effect_sequence, make_schedule, simulate_schedule
 
 
 def _receive_effects() -> tuple[Effect, ...]:
@@ -53,3 +55,24 @@ def test_a_sequence_that_ends_early_says_so() -> None:
     effects = _receive_effects()
     with pytest.raises(AssertionError, match="the sequence ends here"):
         assert_effect_sequence(effects[:2], [WaitStream, Allocate, Alias])
+
+
+@pytest.mark.parametrize(("pp", "dp"), [(1, 2), (2, 2), (1, 3)])
+def test_every_rank_agrees_the_same_step_shapes_with_the_newest_six_row_table(
+    pp: int, dp: int
+) -> None:
+    schedule = make_schedule(
+        ScheduleConfig(pp=pp, dp=dp, spec=1, steps=30, seed=pp * 10 + dp, microbatch=True)
+    )
+    run = simulate_schedule(schedule)  # collectives matched: the six-row tables line up
+
+    def shape(d: BatchExecutionDescriptor) -> tuple[object, ...]:
+        # Plain eager keeps each rank's own tokens (the seed's rule); graphs and
+        # microbatched steps pad every rank to one agreed count.
+        shared = d.cg_mode is not CUDAGraphMode.NONE or d.num_ubatches > 1
+        return (d.cg_mode, d.num_ubatches, d.num_tokens if shared else None)
+
+    by_rank = [[shape(d) for d in outputs.agreed] for outputs in run.outputs]
+    assert all(agreed == by_rank[0] for agreed in by_rank)
+    microbatched = sum(ubatches == 2 for _, ubatches, _ in by_rank[0])
+    assert 0 < microbatched < len(by_rank[0])  # the schedule exercises both decisions
