@@ -3,6 +3,7 @@
 import datetime
 import multiprocessing
 import tempfile
+from multiprocessing.queues import Queue
 
 import torch
 import torch.distributed as dist
@@ -13,7 +14,7 @@ from purepp.effects.torch_interpreter import TorchInterpreter, build_communicato
 from purepp.rank import RankConfig, RankDriver, Sampled, ShapeFacts, init_rank
 
 
-def run_stage(stage: int, rendezvous: str) -> None:
+def run_stage(stage: int, rendezvous: str, agreed_shapes: "Queue[str]") -> None:
     """One process per pipeline stage. The two stages also agree their batch shape with
     each other: an agreement may run over any group (field failure 7)."""
     timeout = datetime.timedelta(seconds=30)
@@ -54,17 +55,20 @@ def run_stage(stage: int, rendezvous: str) -> None:
                 num_rejected=torch.zeros(2, dtype=torch.int32),
             )
         state = driver.finish(agreed, sampled)  # relay the tokens, end the step
-    print(f"stage {stage}: agreed {agreed.descriptor}", flush=True)
+    agreed_shapes.put(repr(agreed.descriptor))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     rendezvous = f"file://{tempfile.mkdtemp()}/rendezvous"
     spawn = multiprocessing.get_context("spawn")
-    stages = [spawn.Process(target=run_stage, args=(stage, rendezvous)) for stage in (0, 1)]
+    shapes: "Queue[str]" = spawn.Queue()
+    stages = [spawn.Process(target=run_stage, args=(s, rendezvous, shapes)) for s in (0, 1)]
     for process in stages:
         process.start()
+    last = [shapes.get(timeout=60) for _ in stages]  # each stage's last agreed shape
     for process in stages:
         process.join()
     if any(process.exitcode != 0 for process in stages):
         raise SystemExit("a stage failed")
+    print(f"both stages agreed {last[0]}" if last[0] == last[1] else f"disagreed: {last}")

@@ -32,9 +32,7 @@ def test_readme_example_runs() -> None:
     lines = result.stdout.splitlines()
     assert "step 2: stage 0 got [100, 200] from step 0" in lines
     assert "step 3: stage 0 got [101, 201] from step 1" in lines
-    agreed = sorted(line.split(": ", 1)[1] for line in lines if " agreed " in line)
-    assert len(agreed) == 2
-    assert agreed[0] == agreed[1]
+    assert any(line.startswith("both stages agreed BatchExecutionDescriptor(") for line in lines)
 
 
 def test_readme_example_type_checks() -> None:
