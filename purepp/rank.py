@@ -487,7 +487,8 @@ def finish(
     inputs = relay_config.inputs
     batch = agreed.batch
     relay = agreed.relay
-    io.bind(inputs.idx_mapping, io.upload(batch.idx_mapping))
+    if relay_config.reads_idx_mapping:  # else a host-to-device copy nothing would read
+        io.bind(inputs.idx_mapping, io.upload(batch.idx_mapping))
     if not config.is_last_stage:
         posted = steps.receive(relay_config, relay, batch)
         yield posted.effects

@@ -296,6 +296,15 @@ class RelayConfig:
         """Wire width of sampled tokens: fixed, so sender and receivers always agree."""
         return self.num_speculative_steps + 1
 
+    @property
+    def reads_idx_mapping(self) -> bool:
+        """Whether a step reads the caller's device slot mapping (`inputs.idx_mapping`):
+        receivers keep it for the ring unless the fixed wire uploads its own at consume,
+        and the last stage gathers drafts by it."""
+        if self.is_last_stage:
+            return self.num_speculative_steps > 0
+        return self.wire is not Wire.FIXED
+
     def wire_rows(self, num_reqs: int) -> int:
         """Rows on the wire for a batch of `num_reqs`: itself, or its bucket (fixed wire)."""
         if self.wire is not Wire.FIXED:
@@ -595,6 +604,39 @@ def receive(config: RelayConfig, state: RelayState, batch: BatchFacts) -> Step[R
     return Step(new_state, effects, mask is not None and bool(mask.all()))
 
 
+def _pending(
+    state: RelayState,
+    batch: BatchFacts,
+    mask: BoolArray | None,
+    *,
+    rows: int,
+    event: EventRef,
+    views: tuple[BufferRef, BufferRef, BufferRef, BufferRef | None],
+    idx_mapping: BufferRef | None,
+    buffers: tuple[BufferRef, ...],
+) -> PendingReceive:
+    """The ring entry of this step's receive, whichever wire it came over.
+
+    `views` are the tokens, both counts and the drafts (None without speculation).
+    """
+    sampled, num_sampled, num_rejected, drafts = views
+    return PendingReceive(
+        step=state.step,
+        event=event,
+        sampled_tokens=sampled,
+        num_sampled=num_sampled,
+        num_rejected=num_rejected,
+        draft_tokens=drafts,
+        idx_mapping=idx_mapping,
+        buffers=buffers,
+        idx_mapping_np=batch.idx_mapping,
+        need_sampled=mask,
+        # Snapshot, so a free of any of these slots before consume is detectable.
+        generations=frozen(state.generations[batch.idx_mapping]),
+        rows=rows,
+    )
+
+
 def _receive_seed(
     config: RelayConfig, state: RelayState, batch: BatchFacts, mask: BoolArray | None
 ) -> tuple[tuple[Effect, ...], PendingReceive]:
@@ -663,20 +705,15 @@ def _receive_seed(
     received = (sampled, counts) if drafts is None else (sampled, counts, drafts)
     effects += [RecordStream(step=step, op=op, buffer=b, stream=Stream.MAIN) for b in received]
     effects.append(Alias(step=step, op=op, source=config.inputs.idx_mapping, out=idx_mapping))
-    pending = PendingReceive(
-        step=step,
+    pending = _pending(
+        state,
+        batch,
+        mask,
+        rows=n,
         event=event,
-        sampled_tokens=sampled,
-        num_sampled=num_sampled,
-        num_rejected=num_rejected,
-        draft_tokens=drafts,
+        views=(sampled, num_sampled, num_rejected, drafts),
         idx_mapping=idx_mapping,
         buffers=(*header, *received, num_sampled, num_rejected, idx_mapping),
-        idx_mapping_np=batch.idx_mapping,
-        need_sampled=mask,
-        # Snapshot, so a free of any of these slots before consume is detectable.
-        generations=frozen(state.generations[batch.idx_mapping]),
-        rows=n,
     )
     return tuple(effects), pending
 
@@ -740,19 +777,15 @@ def _receive_packed(
         idx_mapping = BufferRef(f"{config.name}.step{step}.idx_mapping")
         effects.append(Alias(step=step, op=op, source=config.inputs.idx_mapping, out=idx_mapping))
         names.append(idx_mapping)
-    pending = PendingReceive(
-        step=step,
+    pending = _pending(
+        state,
+        batch,
+        mask,
+        rows=rows,
         event=event,
-        sampled_tokens=sampled,
-        num_sampled=num_sampled,
-        num_rejected=num_rejected,
-        draft_tokens=drafts,
+        views=(sampled, num_sampled, num_rejected, drafts),
         idx_mapping=idx_mapping,
         buffers=tuple(names),
-        idx_mapping_np=batch.idx_mapping,
-        need_sampled=mask,
-        generations=frozen(state.generations[batch.idx_mapping]),
-        rows=rows,
     )
     return tuple(effects), pending
 
