@@ -70,7 +70,7 @@ def cuda_calls(
     graph = torch.cuda.CUDAGraph()
     slots = {"index": index.clone(), "drafts": drafts.clone()}
     with torch.cuda.graph(graph):
-        scatter_rows(slots["drafts"], slots["index"], table)
+        scatter_rows(slots["drafts"], slots["index"], table, skips=True)
     one = torch.cuda.CUDAGraph()
     loose: Any = tokens  # the stubs leave out add_
     with torch.cuda.graph(one):
@@ -130,7 +130,9 @@ def main() -> None:
             "dist.broadcast [256] int64": lambda: dist.broadcast(wire, 0, group=group),
             "copy_ device to device [64, 4]": lambda: tokens.copy_(tokens, non_blocking=True),
             "section_view (int32 of an int64 wire)": lambda: section_view(wire, section),
-            "scatter_rows [64, 3] into [128, 3]": lambda: scatter_rows(drafts, index, table),
+            "scatter_rows [64, 3] into [128, 3]": lambda: scatter_rows(
+                drafts, index, table, skips=True
+            ),
             "torch.from_numpy(host).to(device) [64] int32": lambda: torch.from_numpy(host).to(
                 device, non_blocking=True
             ),

@@ -864,6 +864,7 @@ def consume_previous_step(
                 index=idx_mapping,
                 target=config.inputs.draft_table,
                 stream=Stream.MAIN,
+                skips=filtered_rows,  # only a filtered mapping holds -1
             )
         )
     outputs = ConsumedOutputs(

@@ -364,6 +364,8 @@ def _field_strategy(
     args = typing.get_args(tp)
     if tp is int:
         return int_fields.get(name, st.integers(0, 64))
+    if tp is bool:
+        return st.booleans()
     if isinstance(tp, type) and issubclass(tp, BufferRef | EventRef | WorkRef):
         return ref_names.map(tp)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):

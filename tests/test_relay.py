@@ -580,6 +580,7 @@ def test_consume_without_exclusion_waits_and_hands_out_the_original_mapping(
         index=entry.idx_mapping,
         target=DRAFTS_TARGET,
         stream=Stream.MAIN,
+        skips=False,  # nothing excluded: the caller's mapping holds no -1
     )
     assert list(got.effects) == ([wait, scatter] if update_drafts else [wait])
     assert out == ConsumedOutputs(

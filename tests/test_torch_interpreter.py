@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 
+from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.torch_interpreter import (
     TorchInterpreter,
     build_communicators,
@@ -363,6 +364,44 @@ def test_scatter_rows_writes_kept_rows_in_place_and_skips_minus_one(
             expected[slot] = source[row]
     assert interp.tensor(C) is target_tensor
     np.testing.assert_array_equal(values(target_tensor), expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=scatter_cases())
+def test_a_scatter_that_skips_no_rows_writes_every_row_in_torch_and_numpy(
+    groups: dict[Communicator, dist.ProcessGroup],
+    case: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int32]],
+) -> None:
+    target, source, index = case
+    kept = index != -1  # the case without its skipped rows: what `skips=False` promises
+    source, index = source[kept], index[kept]
+    scatter = ScatterRows(**TAG, source=A, index=B, target=C, stream=Stream.MAIN, skips=False)
+    interp = TorchInterpreter(device=CPU, groups=groups, rank=0)
+    target_tensor = torch.from_numpy(target.copy())
+    interp.bind(A, torch.from_numpy(source.copy()))
+    interp.bind(B, torch.from_numpy(index.copy()))
+    interp.bind(C, target_tensor)
+    interp.perform((scatter,))
+    reference = NumpyInterpreter()
+    reference.bind(A, source)
+    reference.bind(B, index)
+    reference.bind(C, target)
+    reference.perform((scatter,))
+    expected = target.copy()
+    expected[index] = source
+    np.testing.assert_array_equal(values(target_tensor), expected)
+    np.testing.assert_array_equal(reference.tensor(C), expected)
+
+
+def test_the_reference_refuses_minus_one_in_a_scatter_that_skips_no_rows() -> None:
+    reference = NumpyInterpreter()
+    reference.bind(A, np.ones((2, 3), dtype=np.int64))
+    reference.bind(B, np.array([1, -1], dtype=np.int32))
+    reference.bind(C, np.zeros((4, 3), dtype=np.int64))
+    scatter = ScatterRows(**TAG, source=A, index=B, target=C, stream=Stream.MAIN, skips=False)
+    with pytest.raises(InterpreterError, match=r"holds row -1 .*skips=False"):
+        reference.perform((scatter,))
+    assert reference.tensor(C).tolist() == [[0, 0, 0]] * 4
 
 
 def test_scatter_rows_rejects_mismatched_rows_and_leaves_the_target(

@@ -189,6 +189,12 @@ def _structure_int(value: object, _: type) -> int:
     return value
 
 
+def _structure_bool(value: object, _: type) -> bool:
+    if type(value) is not bool:
+        raise _expect("true or false", value)
+    return value
+
+
 def _structure_str(value: object, _: type) -> str:
     if type(value) is not str:
         raise _expect("a string", value)
@@ -332,8 +338,10 @@ def _make_converter() -> cattrs.Converter:
     converter.register_structure_hook_factory(attrs.has, _structure_attrs_factory)
     converter.register_structure_hook(int, _structure_int)
     converter.register_structure_hook(str, _structure_str)
+    converter.register_structure_hook(bool, _structure_bool)
     # operator.index: a numpy integer in a shape is written as a plain int, a float refused.
     converter.register_unstructure_hook(int, operator.index)
+    converter.register_unstructure_hook(bool, bool)  # true/false, not the int hook's 1/0
     converter.register_structure_hook_func(
         lambda tp: isinstance(tp, type) and issubclass(tp, enum.Enum), _structure_enum
     )
@@ -372,7 +380,7 @@ def structure_effect(value: object) -> Effect:
 def _fast_builder(tp: Any) -> Callable[[Any], Any]:
     """A converter from JSON to `tp` that trusts the JSON's shape (no checks)."""
     args = get_args(tp)
-    if tp is int or tp is str:
+    if tp is int or tp is str or tp is bool:
         return _same
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return tp._value2member_map_.__getitem__
@@ -411,11 +419,15 @@ def _fast_attrs_builder(cls: type) -> Callable[[Any], Any]:
     arguments = []
     for field in attrs.fields(cls):
         builder = _fast_builder(hints[field.name])
+        read = f"value[{field.name!r}]"
+        if field.default is not attrs.NOTHING:  # a field added later: older logs lack it
+            namespace[f"default_{field.name}"] = field.default
+            read = f"value.get({field.name!r}, default_{field.name})"
         if builder is _same:
-            arguments.append(f"{field.name}=value[{field.name!r}]")
+            arguments.append(f"{field.name}={read}")
         else:
             namespace[f"build_{field.name}"] = builder
-            arguments.append(f"{field.name}=build_{field.name}(value[{field.name!r}])")
+            arguments.append(f"{field.name}=build_{field.name}({read})")
     # The text is built above from field names only.
     exec(f"def build(value):\n    return cls({', '.join(arguments)})\n", namespace)
     return typing.cast(Callable[[Any], Any], namespace["build"])

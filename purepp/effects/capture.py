@@ -775,8 +775,10 @@ def _lower_rows(
             segment.read(i)
             segment.write(t)
 
+            skips = effect.skips
+
             def scatter(slots: Slots) -> None:
-                scatter_rows(slots[p], slots[i], slots[t])
+                scatter_rows(slots[p], slots[i], slots[t], skips=skips)
 
             kernels.append(scatter)
             return effect.stream

@@ -741,13 +741,16 @@ class NumpyInterpreter:
         def run() -> None:
             rows = target.array.shape[0]
             slots = index.array
-            bad = slots[(slots != -1) & ((slots < 0) | (slots >= rows))]
+            skip = effect.skips
+            bad = slots[((slots != -1) | (not skip)) & ((slots < 0) | (slots >= rows))]
             if bad.size:
                 self._env.fail(
                     effect,
                     f"index {effect.index.name!r} holds row {int(bad[0])} of a "
                     f"{rows}-row target {effect.target.name!r}",
-                    "scatter to rows 0..rows-1, or -1 to skip a row",
+                    "scatter to rows 0..rows-1, or -1 to skip a row"
+                    if skip
+                    else "scatter to rows 0..rows-1 (this scatter skips no rows: skips=False)",
                 )
             keep = slots != -1
             target.array[slots[keep]] = source.array[keep]

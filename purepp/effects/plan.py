@@ -198,7 +198,7 @@ def _gather_rows(e: GatherRows, at: At, n: Size) -> Hashable:
 
 
 def _scatter_rows(e: ScatterRows, at: At, n: Size) -> Hashable:
-    return (16, at(e.source, n()), at(e.index, n()), at(e.target, n()), e.stream._value_)
+    return (16, at(e.source, n()), at(e.index, n()), at(e.target, n()), e.stream._value_, e.skips)
 
 
 def _synchronize(e: Synchronize, at: At, n: Size) -> Hashable:

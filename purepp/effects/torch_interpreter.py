@@ -290,6 +290,13 @@ _TORCH_DTYPES: dict[DType, torch.dtype] = {d: torch_dtype(d) for d in DType}
 _ITEMSIZE: dict[DType, int] = {d: itemsize(d) for d in DType}
 
 
+def _all_reduce_options(asynchronous: bool) -> dist.AllreduceOptions:
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.SUM
+    options.asyncOp = asynchronous
+    return options
+
+
 def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
     return tuple(tensor.shape)
 
@@ -395,8 +402,10 @@ class TorchInterpreter:
         self._group_ranks = group_ranks
         # Broadcast options per (communicator, global source rank), built on first use.
         self._broadcast_options: dict[tuple[Communicator, int], dist.BroadcastOptions] = {}
-        self._all_reduce_options = dist.AllreduceOptions()
-        self._all_reduce_options.reduceOp = dist.ReduceOp.SUM
+        # All-reduce options, blocking and asynchronous (an AllReduce with a WorkRef).
+        self._all_reduce_options = {
+            asynchronous: _all_reduce_options(asynchronous) for asynchronous in (False, True)
+        }
         self._streams: dict[Stream, torch.cuda.Stream] | None = None
         if device.type == "cuda":
             self._streams = {
@@ -768,6 +777,10 @@ class TorchInterpreter:
             options = dist.BroadcastOptions()
             options.rootRank = dist.get_group_rank(group, effect.src)
             options.rootTensor = 0
+            # Blocking, as dist.broadcast(async_op=False) sets it: NCCL then runs on the
+            # current stream itself, without the internal stream, events and tensor
+            # stashing of async work (over 100 us of host time per call on an H200 host).
+            options.asyncOp = False
             self._broadcast_options[key] = options
         return options
 
@@ -838,7 +851,7 @@ class TorchInterpreter:
             env.check_work_free(effect, effect.work)
         table = torch.from_numpy(effect.contribution.copy())
         try:
-            handle = group.allreduce([table], self._all_reduce_options)
+            handle = group.allreduce([table], self._all_reduce_options[effect.work is not None])
             if effect.work is None:
                 handle.wait()
             else:
@@ -890,7 +903,7 @@ class TorchInterpreter:
         index = env.lookup(effect, effect.index)
         target = env.lookup(effect, effect.target)
         self.on_stream(effect.stream)
-        scatter_rows(source, index, target)
+        scatter_rows(source, index, target, skips=effect.skips)
 
     def _pack(self, effect: Pack) -> None:
         env = self.env
@@ -910,15 +923,21 @@ class TorchInterpreter:
             env.buffers[section.buffer] = section_view(source, section)
 
 
-def scatter_rows(source: torch.Tensor, index: torch.Tensor, target: torch.Tensor) -> None:
+def scatter_rows(
+    source: torch.Tensor, index: torch.Tensor, target: torch.Tensor, *, skips: bool
+) -> None:
     """`target[index[i]] = source[i]` where `index[i] != -1`, queued with no host sync.
 
-    Filtering the skipped rows would need their count on the host, so every row is
-    written as an addition: a kept row adds (new - old) to its slot, a skipped row adds
-    zero to row 0. Integer addition makes the result exact in any order, and neither the
-    index nor the table is copied to the host or copied whole (kept rows name distinct
-    slots; the relay maps each slot to one row).
+    Without skipped rows (`skips` False) that is one indexed write. Otherwise filtering
+    the skipped rows would need their count on the host, so every row is written as an
+    addition: a kept row adds (new - old) to its slot, a skipped row adds zero to row 0.
+    Integer addition makes the result exact in any order, and neither the index nor the
+    table is copied to the host or copied whole (kept rows name distinct slots; the
+    relay maps each slot to one row).
     """
+    if not skips:
+        target.index_put_((index,), source)
+        return
     keep = index != -1
     rows = index.clamp(min=0)  # int32 or int64: both index kernels take either
     delta = (source - target.index_select(0, rows)) * keep.view(-1, *([1] * (source.ndim - 1)))

@@ -306,7 +306,13 @@ class GatherRows:
 
 @attrs.frozen(kw_only=True)
 class ScatterRows:
-    """`target[index[i]] = source[i]` for every i with `index[i] != -1`, in place."""
+    """`target[index[i]] = source[i]` for every i with `index[i] != -1`, in place.
+
+    `skips` says whether `index` may hold -1 at all. The host that built the index knows;
+    the device does not without a sync. Without skipped rows the scatter is one kernel,
+    with them a few (every row is written as an exact integer addition, so nothing is
+    filtered on the host).
+    """
 
     step: int  # decode step the effect belongs to
     op: Op  # operation that emitted it
@@ -314,6 +320,7 @@ class ScatterRows:
     index: BufferRef  # 1-D destination rows, -1 to skip
     target: BufferRef  # the buffer updated in place
     stream: Stream  # stream the kernel runs on
+    skips: bool = True  # False: no index entry is -1 (a plain scatter)
 
 
 @attrs.frozen(kw_only=True)

@@ -21,10 +21,12 @@ class ReduceOp:
 class BroadcastOptions:
     rootRank: int
     rootTensor: int
+    asyncOp: bool
     def __init__(self) -> None: ...
 
 class AllreduceOptions:
     reduceOp: ReduceOp
+    asyncOp: bool
     def __init__(self) -> None: ...
 
 class ProcessGroup:
