@@ -326,6 +326,49 @@ def section_view(packed: torch.Tensor, section: Section) -> torch.Tensor:
     return raw.view(_TORCH_DTYPES[section.dtype]).view(*section.shape)
 
 
+def section_views(packed: torch.Tensor, sections: Sequence[Section]) -> list[torch.Tensor]:
+    """`section_view` of each section: the views an Unpack binds, in one pass.
+
+    On a contiguous 1-D wire (every packed wire), each dtype is viewed once and each
+    section is one `as_strided` of it: a third of the tensor ops of viewing, slicing and
+    reshaping each section in turn, and Unpack runs on every received step.
+    """
+    if packed.dim() != 1 or not packed.is_contiguous():
+        return [section_view(packed, section) for section in sections]
+    wire_itemsize = packed.dtype.itemsize
+    flats: dict[DType, torch.Tensor] = {}
+    views = []
+    for section in sections:
+        itemsize = _ITEMSIZE[section.dtype]
+        shape = section.shape
+        start, misaligned = divmod(section.offset, itemsize)
+        flat = flats.get(section.dtype)
+        if flat is None and itemsize <= wire_itemsize:
+            dtype = _TORCH_DTYPES[section.dtype]
+            flat = flats[section.dtype] = packed if packed.dtype is dtype else packed.view(dtype)
+        if flat is None or misaligned or start + math.prod(shape) > flat.shape[0]:
+            views.append(section_view(packed, section))  # the general way (or its error)
+            continue
+        strides = _CONTIGUOUS_STRIDES.get(shape) or _contiguous_strides(shape)
+        views.append(flat.as_strided(shape, strides, flat.storage_offset() + start))
+    return views
+
+
+_CONTIGUOUS_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    made = _CONTIGUOUS_STRIDES[shape] = tuple(reversed(strides))
+    if len(_CONTIGUOUS_STRIDES) > 4096:  # shapes vary with the batch: keep the memo small
+        _CONTIGUOUS_STRIDES.clear()
+    return made
+
+
 def pack(out: torch.Tensor, sections: Iterable[tuple[Section, torch.Tensor]]) -> None:
     """Copy each source into the top-left corner of its section of the zeroed `out`."""
     for section, source in sections:
@@ -919,8 +962,9 @@ class TorchInterpreter:
         source = env.lookup(effect, effect.source)
         for section in effect.sections:
             env.check_unbound(effect, section.buffer)
-        for section in effect.sections:
-            env.buffers[section.buffer] = section_view(source, section)
+        views = section_views(source, effect.sections)
+        for section, view in zip(effect.sections, views, strict=True):
+            env.buffers[section.buffer] = view
 
 
 def scatter_rows(

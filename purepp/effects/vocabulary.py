@@ -51,14 +51,23 @@ __all__ = [
 ]
 
 
-class Stream(enum.Enum):
+class _Enum(enum.Enum):
+    """An enum hashed by identity. Its members are singletons compared by identity, so
+    this hash is consistent with equality, and it is C code: Enum's own (of the member's
+    name) is a Python call on every dict lookup, and the interpreters key their streams,
+    groups and dtypes by these enums on every effect."""
+
+    __hash__ = object.__hash__
+
+
+class Stream(_Enum):
     """A device stream. MAIN is the runner's current stream; RELAY the relay's side stream."""
 
     MAIN = "main"
     RELAY = "relay"
 
 
-class Communicator(enum.Enum):
+class Communicator(_Enum):
     """A process group. The relay has its own so it never queues behind activations."""
 
     PP_RELAY = "pp_relay"  # sibling device group over the PP ranks, relay traffic only
@@ -67,14 +76,14 @@ class Communicator(enum.Enum):
     PP_CPU = "pp_cpu"  # CPU (gloo) group over the PP ranks, an agreement across stages
 
 
-class DType(enum.Enum):
+class DType(_Enum):
     """Element type of a buffer; part of a collective's wire contract."""
 
     INT64 = "int64"
     INT32 = "int32"
 
 
-class Op(enum.Enum):
+class Op(_Enum):
     """The pure operation that emitted an effect."""
 
     RECEIVE = "receive"
