@@ -81,7 +81,7 @@ def cuda_calls(
     send = torch.cuda.CUDAGraph()
     with torch.cuda.graph(send, capture_error_mode="thread_local"):
         padded["out"] = F.pad(tokens[:, :1], (0, 3), value=0)
-        group.broadcast([padded["out"]], options).wait()
+        _wait(group.broadcast([padded["out"]], options))
     return {
         "torch.cuda.Event()": torch.cuda.Event,
         "event.record(stream)": lambda: event.record(side),
@@ -95,6 +95,12 @@ def cuda_calls(
         "graph.replay() of scatter_rows (7 kernels)": graph.replay,
         "graph.replay() of a pad + NCCL broadcast": send.replay,
     }
+
+
+def _wait(work: dist.Work | None) -> None:
+    """Wait for `work`; a blocking NCCL call returns None, having ordered the stream."""
+    if work is not None:
+        work.wait()
 
 
 def main() -> None:
@@ -112,6 +118,8 @@ def main() -> None:
         group = groups[Communicator.PP_RELAY]
         options = dist.BroadcastOptions()
         options.rootRank, options.rootTensor = 0, 0
+        blocking = dist.BroadcastOptions()  # as dist.broadcast and purepp issue it
+        blocking.rootRank, blocking.rootTensor, blocking.asyncOp = 0, 0, False
         n = 64
         wire = torch.zeros(n * 4, dtype=torch.int64, device=device)
         tokens = torch.zeros((n, 4), dtype=torch.int64, device=device)
@@ -124,9 +132,12 @@ def main() -> None:
             "torch.empty [64, 4] int64": lambda: torch.empty(
                 (n, 4), dtype=torch.int64, device=device
             ),
-            "ProcessGroup.broadcast(...).wait() [256] int64": lambda: group.broadcast(
-                [wire], options
-            ).wait(),
+            "ProcessGroup.broadcast(...).wait() [256] int64": lambda: _wait(
+                group.broadcast([wire], options)
+            ),
+            "ProcessGroup.broadcast, asyncOp=False [256] int64": lambda: _wait(
+                group.broadcast([wire], blocking)
+            ),
             "dist.broadcast [256] int64": lambda: dist.broadcast(wire, 0, group=group),
             "copy_ device to device [64, 4]": lambda: tokens.copy_(tokens, non_blocking=True),
             "section_view (int32 of an int64 wire)": lambda: section_view(wire, section),

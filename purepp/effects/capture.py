@@ -706,7 +706,9 @@ def _lower_wire(
                 segment.write(p)
 
             def broadcast(slots: Slots) -> None:
-                group.broadcast([slots[p]], options).wait()
+                work = group.broadcast([slots[p]], options)
+                if work is not None:
+                    work.wait()
 
             kernels.append(broadcast)
             return effect.stream

@@ -846,7 +846,9 @@ class TorchInterpreter:
         try:
             # What dist.broadcast does, minus its per-call checks: queue the collective on
             # the current stream; the wait makes that stream (NCCL) or the host (gloo) wait.
-            group.broadcast([tensor], options).wait()
+            work = group.broadcast([tensor], options)
+            if work is not None:  # NCCL returns None: it ordered the stream already
+                work.wait()
         except RuntimeError as error:
             what = f"broadcast of {effect.buffer.name!r} {effect.shape} from rank {effect.src}"
             raise self._peer_failure(effect, what, effect.comm, error) from error
@@ -896,8 +898,10 @@ class TorchInterpreter:
         try:
             handle = group.allreduce([table], self._all_reduce_options[effect.work is not None])
             if effect.work is None:
-                handle.wait()
+                if handle is not None:  # a blocking NCCL call returns None: done already
+                    handle.wait()
             else:
+                assert handle is not None  # asynchronous calls always return their work
                 env.start_work(effect.work, _PendingWork(handle, effect.comm), effect.result)
         except RuntimeError as error:
             what = f"all-reduce into {effect.result.name!r} {effect.contribution.shape}"
