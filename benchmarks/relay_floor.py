@@ -144,13 +144,16 @@ def main() -> None:
             "scatter_rows [64, 3] into [128, 3]": lambda: scatter_rows(
                 drafts, index, table, skips=True
             ),
+            "scatter_rows, skips=False [64, 3] into [128, 3]": lambda: scatter_rows(
+                drafts, index.clamp(min=0), table, skips=False
+            ),
             "torch.from_numpy(host).to(device) [64] int32": lambda: torch.from_numpy(host).to(
                 device, non_blocking=True
             ),
         }
         if cuda:
             tensors = {"tokens": tokens, "index": index, "table": table, "drafts": drafts}
-            calls |= cuda_calls(device, group, options, tensors, host)
+            calls |= cuda_calls(device, group, blocking, tensors, host)  # as purepp captures
         print(f"device={device} torch={version('torch')}: host µs per call, median")
         print()
         print("| call | µs |")
