@@ -472,7 +472,9 @@ def profiled(contender: Contender, steps: int, sync: Callable[[], None]) -> str:
     sync()
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+    stats.print_stats(25)
+    stats.print_callees(10)  # what the top ten call: where their cumulative time goes
     return text.getvalue()
 
 
