@@ -141,6 +141,28 @@ def test_matched_logs_are_ok_in_one_line(tmp_path: Path) -> None:
     assert (report.ranks, report.records, report.collectives, report.steps) == (2, 18, 6, 3)
 
 
+def overlapped_agreements(rank: int, steps: int) -> list[Effect]:
+    """Each step's agreement started inside the step before (`purepp run --overlap-agreement`)."""
+    effects: list[Effect] = [agree(0, Communicator.DP_CPU, rank)]
+    for step in range(steps):
+        effects.append(Release(step=step, op=Op.END_STEP, buffer=BufferRef(f"dp_cpu.{step}")))
+        if step + 1 < steps:
+            effects.append(agree(step + 1, Communicator.DP_CPU, rank))
+        effects.append(Release(step=step, op=Op.END_STEP, buffer=BufferRef(f"out.{step}")))
+    return effects
+
+
+def test_steps_are_counted_once_when_the_next_steps_agreement_starts_inside_a_step(
+    tmp_path: Path,
+) -> None:
+    per_rank = [overlapped_agreements(rank, steps=3) for rank in range(2)]
+    # Step numbers go back and forth (0, 0, 1, 0, 1, 2, 1, 2, 2): still three steps.
+    assert [e.step for e in per_rank[0]] == [0, 0, 1, 0, 1, 2, 1, 2, 2]
+    report = check_logs(write(tmp_path, REPLICAS, per_rank))
+    assert report.text == "ok: 2 ranks, 6 collectives over 3 steps, every communicator matches"
+    assert report.steps == 3
+
+
 def test_check_log_dir_prints_the_report_and_returns_its_exit_code(tmp_path: Path) -> None:
     out = io.StringIO()
     assert check_log_dir(write(tmp_path, PAIR, matched_pair()), out) == EXIT_OK

@@ -91,7 +91,7 @@ class CheckReport:
     ranks: int = 0  # logs read, one per rank
     records: int = 0  # records read, all ranks together
     collectives: int = 0  # collectives issued, all ranks together
-    steps: int = 0  # decode steps seen (the most any rank logged)
+    steps: int = 0  # distinct decode steps seen (the most any rank logged)
     finding: Report | None = None  # the mismatch or deadlock, if any
     cut: tuple[CutLog, ...] = ()  # logs that end mid-record
 
@@ -139,7 +139,11 @@ class _RankReplay:
         self.ended = False  # the log has no more records
         self.records = 0  # records issued
         self.collectives = 0  # collectives issued
-        self.steps = 0  # distinct steps issued (steps never go back within a rank)
+        # Distinct steps issued, counted as new highest steps: a step's records may come
+        # between the next step's (`purepp run --overlap-agreement` starts step s + 1's
+        # agreement inside step s), but no step starts before a lower one.
+        self.steps = 0
+        self.top_step: int | None = None  # the highest step issued
         self.last_step: int | None = None  # step of the last record issued
         self.allowed_step = -1  # steps up to this one may be issued without re-checking peers
 
@@ -158,9 +162,10 @@ class _RankReplay:
         self.records += count
         if effect is not None and isinstance(effect, Broadcast | AllReduce):
             self.collectives += 1
-        if step != self.last_step:
+        if self.top_step is None or step > self.top_step:
             self.steps += 1
-            self.last_step = step
+            self.top_step = step
+        self.last_step = step
 
     def progress(self) -> int | None:
         """Steps below this one are fully issued; None when the log ended with no record."""
