@@ -102,11 +102,33 @@ class TensorSpec:
     dtype: DType  # its dtype
 
 
-@attrs.frozen(cache_hash=True)  # refs are dict keys on every effect
-class BufferRef:
-    """Names a device (or, for the DP table, host) tensor in the interpreter's environment."""
+class BufferRef(str):
+    """Names a device (or, for the DP table, host) tensor in the interpreter's environment.
 
-    name: str
+    A str subclass: buffer refs are dict keys on every effect an interpreter performs,
+    and a str hashes once (cached) and compares in C, where an attrs value runs a Python
+    `__hash__` and `__eq__` on every lookup. A ref equals the plain string of its name,
+    and never an EventRef or WorkRef.
+    """
+
+    __slots__ = ()
+    __match_args__ = ("name",)
+
+    def __new__(cls, name: str) -> BufferRef:
+        if not isinstance(name, str):
+            raise TypeError(f"BufferRef(name={name!r}): pass the buffer's name as a str")
+        return str.__new__(cls, name)
+
+    @property
+    def name(self) -> str:
+        """The name, as a plain str."""
+        return str.__str__(self)
+
+    def __repr__(self) -> str:
+        return f"BufferRef(name={str.__repr__(self)})"
+
+    def __reduce__(self) -> tuple[type[BufferRef], tuple[str]]:
+        return (BufferRef, (self.name,))
 
 
 @attrs.frozen(cache_hash=True)  # refs are dict keys on every effect

@@ -1,0 +1,70 @@
+"""The names and enums every effect carries: what interpreters key their dicts by."""
+
+from __future__ import annotations
+
+import enum
+import pickle
+
+import pytest
+
+from purepp.effects._converter import CONVERTER
+from purepp.effects.vocabulary import (
+    BufferRef,
+    Communicator,
+    DType,
+    EventRef,
+    Op,
+    Release,
+    Stream,
+    WorkRef,
+)
+
+
+def test_a_buffer_ref_is_its_name_and_no_other_kind_of_ref() -> None:
+    ref = BufferRef("relay.step3.wire")
+    assert ref == BufferRef("relay.step3.wire")
+    assert hash(ref) == hash(BufferRef(ref.name))
+    assert ref != BufferRef("relay.step4.wire")
+    # One dict may hold buffers, events and works (a plan numbers them together).
+    positions = {ref: 0, EventRef(ref.name): 1, WorkRef(ref.name): 2}
+    assert len(positions) == 3
+    assert positions[BufferRef(ref.name)] == 0
+    event: object = EventRef(ref.name)  # another kind of ref: never equal
+    assert ref != event
+    assert event != ref
+    assert type(ref.name) is str
+    assert ref.name == "relay.step3.wire"
+    assert repr(ref) == "BufferRef(name='relay.step3.wire')"
+    match ref:
+        case BufferRef(name=name):
+            assert name == ref.name
+
+
+def test_a_buffer_ref_survives_pickling_and_the_log_converter() -> None:
+    ref = BufferRef("relay.input.idx_mapping")
+    again = pickle.loads(pickle.dumps(ref))
+    assert type(again) is BufferRef
+    assert again == ref
+    release = Release(step=2, op=Op.END_STEP, buffer=ref)
+    raw = CONVERTER.unstructure(release)
+    assert raw["buffer"] == ref.name
+    assert type(raw["buffer"]) is str
+    assert CONVERTER.structure(raw, Release) == release
+
+
+@pytest.mark.parametrize("name", [None, 3, b"relay.x", ("relay", "x")])
+def test_a_buffer_ref_of_anything_but_a_str_is_refused(name: object) -> None:
+    with pytest.raises(TypeError, match="pass the buffer's name as a str"):
+        BufferRef(name)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", [Stream, Communicator, DType, Op])
+def test_enum_members_hash_consistently_with_equality(kind: type[enum.Enum]) -> None:
+    members = list(kind)
+    table = {member: index for index, member in enumerate(members)}
+    for index, member in enumerate(members):
+        same = kind(member.value)  # looked up by value, as the log reader does
+        assert same is member
+        assert table[same] == index
+        assert hash(same) == hash(member)
+        assert pickle.loads(pickle.dumps(member)) is member
