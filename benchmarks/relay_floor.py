@@ -77,7 +77,11 @@ def cuda_calls(
         loose.add_(1)
     current: Any = torch.cuda.current_stream  # the stubs leave out its device
     # What a captured send replays: a pad and the NCCL broadcast of its result.
-    padded: dict[str, torch.Tensor] = {}
+    padded: dict[str, torch.Tensor] = {"out": F.pad(tokens[:, :1], (0, 3), value=0)}
+    # Eagerly first: NCCL sets up the communicator on its first call, which a capture
+    # cannot contain.
+    _wait(group.broadcast([padded["out"]], options))
+    torch.cuda.synchronize()
     send = torch.cuda.CUDAGraph()
     with torch.cuda.graph(send, capture_error_mode="thread_local"):
         padded["out"] = F.pad(tokens[:, :1], (0, 3), value=0)
