@@ -329,11 +329,11 @@ def section_view(packed: torch.Tensor, section: Section) -> torch.Tensor:
 def section_views(packed: torch.Tensor, sections: Sequence[Section]) -> list[torch.Tensor]:
     """`section_view` of each section: the views an Unpack binds, in one pass.
 
-    On a contiguous 1-D wire (every packed wire), each dtype is viewed once and each
-    section is one `as_strided` of it: a third of the tensor ops of viewing, slicing and
-    reshaping each section in turn, and Unpack runs on every received step.
+    On a contiguous buffer (every wire), each dtype is viewed once and each section is
+    one `as_strided` of it: a third of the tensor ops of viewing, slicing and reshaping
+    each section in turn, and Unpack runs on every received step.
     """
-    if packed.dim() != 1 or not packed.is_contiguous():
+    if not packed.is_contiguous():
         return [section_view(packed, section) for section in sections]
     wire_itemsize = packed.dtype.itemsize
     flats: dict[DType, torch.Tensor] = {}
@@ -346,7 +346,7 @@ def section_views(packed: torch.Tensor, sections: Sequence[Section]) -> list[tor
         if flat is None and itemsize <= wire_itemsize:
             dtype = _TORCH_DTYPES[section.dtype]
             flat = flats[section.dtype] = packed if packed.dtype is dtype else packed.view(dtype)
-        if flat is None or misaligned or start + math.prod(shape) > flat.shape[0]:
+        if flat is None or misaligned or start + math.prod(shape) > flat.numel():
             views.append(section_view(packed, section))  # the general way (or its error)
             continue
         strides = _CONTIGUOUS_STRIDES.get(shape) or _contiguous_strides(shape)
