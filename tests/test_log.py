@@ -875,8 +875,10 @@ def test_a_scan_counts_a_run_of_local_records_of_one_step_as_one_item(tmp_path: 
         ('{"seq": 16, ', '{"seq": 17, ', "seq is 17, expected 16"),
         ('16, "comm_seq": 5, ', '16, "comm_seq": 6, ', "comm_seq is 6, expected 5"),
         ('"waits_for": "main"', '"waits_for": "rely"', "waits_for"),
+        # An enum value's digits are not free to vary as a name's are.
+        ('"dtype": "int64"', '"dtype": "int65"', "dtype"),
     ],
-    ids=["int32-range", "leading-zero", "seq", "comm-seq", "enum"],
+    ids=["int32-range", "leading-zero", "seq", "comm-seq", "enum", "enum-digits"],
 )
 def test_a_scan_rejects_what_loading_rejects(
     tmp_path: Path, old: str, new: str, problem: str
@@ -894,3 +896,65 @@ def test_a_scan_rejects_what_loading_rejects(
     with pytest.raises(LogFormatError) as scanning:
         scan_all(path)
     assert str(scanning.value) == str(loading.value)
+
+
+def local_steps(steps: int) -> EffectLog:
+    """Records that never wait, of steps that differ only in digits."""
+    effects: list[Effect] = []
+    for step in range(10, 10 + steps):
+        buffer = BufferRef(f"relay.step{step}.tokens")
+        effects += [
+            Allocate(
+                step=step, op=Op.RECEIVE, buffer=buffer, shape=(4, 2), dtype=DType.INT64,
+                stream=Stream.RELAY,
+            ),
+            CopyHostToDevice(
+                step=step, op=Op.RECEIVE, source=np.full(2, 1_147_483_648, dtype=np.int32),
+                buffer=BufferRef(f"host.step{step}"), stream=Stream.MAIN,
+            ),
+            Release(step=step, op=Op.END_STEP, buffer=buffer),
+        ]  # fmt: skip
+    return EffectLog.from_effects(HEADER, effects)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "problem"),
+    [
+        ('"dtype": "int64"', '"dtype": "int65"', "dtype"),
+        ("[1147483648, 1147483648]", "[2147483648, 1147483648]", "int32"),
+    ],
+    ids=["enum-digits", "int32-range"],
+)
+def test_a_scan_rejects_in_records_it_does_not_build_what_loading_rejects(
+    tmp_path: Path, old: str, new: str, problem: str
+) -> None:
+    path = tmp_path / "rank.jsonl"
+    dump_log(local_steps(6), path)
+    lines = path.read_text().splitlines(keepends=True)
+    edited = next(i for i in range(len(lines) - 1, 0, -1) if old in lines[i])
+    assert edited > 6  # a line after its template was seen
+    lines[edited] = lines[edited].replace(old, new, 1)
+    path.write_text("".join(lines))
+
+    with pytest.raises(LogFormatError, match=f"line {edited + 1}: .*{problem}") as loading:
+        load_log(path)
+    never_built = frozenset({"allocate", "copy_host_to_device", "release"})
+    with pytest.raises(LogFormatError) as scanning:
+        list(LogStream(path).scan(never_built))
+    assert str(scanning.value) == str(loading.value)
+
+
+def test_lines_that_differ_in_an_enum_values_digits_are_read_as_written(tmp_path: Path) -> None:
+    log = EffectLog.from_effects(
+        HEADER,
+        [
+            Allocate(
+                step=step, op=Op.RECEIVE, buffer=BufferRef(f"b{step}"), shape=(4, 2),
+                dtype=DType.INT64 if step % 2 else DType.INT32, stream=Stream.RELAY,
+            )
+            for step in range(10, 16)
+        ],
+    )  # fmt: skip
+    dump_log(log, tmp_path / "rank.jsonl")
+    scanned = LogStream(tmp_path / "rank.jsonl").scan(frozenset())
+    assert [effect for _, _, effect, _ in scanned] == list(log.effects)

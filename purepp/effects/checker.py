@@ -29,6 +29,7 @@ from typing import Final, TextIO
 
 import attrs
 
+from purepp.effects._converter import EFFECT_KINDS
 from purepp.effects.logfile import LogStream, check_same_run, log_paths
 from purepp.effects.logmodel import LogHeader
 from purepp.effects.matching import (
@@ -61,6 +62,9 @@ EXIT_FINDING: Final = 1  # a mismatch, a deadlock, a log cut mid-record, or noth
 EXIT_UNUSABLE: Final = 2  # the logs cannot be read as one run's
 
 _CALL = "purepp check"
+_COLLECTIVE_KINDS: Final = frozenset(
+    kind for kind, cls in EFFECT_KINDS.items() if cls in (Broadcast, AllReduce)
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -133,7 +137,7 @@ class _RankReplay:
         self.peers = tuple(r for r in world.pipeline(world.dp_index(self.rank)) if r != self.rank)
         self.lanes = lanes
         # Records that never wait come as their step and kind only (see LOCAL_KINDS).
-        self._items = stream.scan(LOCAL_KINDS)
+        self.items = stream.scan(LOCAL_KINDS)
         # the next record (or run of records that never wait), once read
         self.next: tuple[int, str, Effect | None, int] | None = None
         self.ended = False  # the log has no more records
@@ -149,23 +153,12 @@ class _RankReplay:
 
     def peek(self) -> tuple[int, str, Effect | None, int] | None:
         if self.next is None and not self.ended:
-            item = next(self._items, None)
+            item = next(self.items, None)
             if item is None:
                 self.ended = True
             else:
                 self.next = item
         return self.next
-
-    def take(self, step: int, effect: Effect | None, count: int) -> None:
-        """Consume the records `peek` returned."""
-        self.next = None
-        self.records += count
-        if effect is not None and isinstance(effect, Broadcast | AllReduce):
-            self.collectives += 1
-        if self.top_step is None or step > self.top_step:
-            self.steps += 1
-            self.top_step = step
-        self.last_step = step
 
     def progress(self) -> int | None:
         """Steps below this one are fully issued; None when the log ended with no record."""
@@ -224,18 +217,31 @@ class _Check:
     def _advance(self, rank: _RankReplay) -> bool:
         """Issue `rank`'s effects until its host blocks, its log ends or it is held back."""
         progressed = False
-        lanes, hub = rank.lanes, self._hub
-        while not lanes.host_blocked():
-            item = rank.peek()
+        lanes, hub, items = rank.lanes, self._hub, rank.items
+        host_blocked = lanes.host_blocked
+        # The check's hot loop: `peek` inlined, and the counts of the records taken.
+        while not host_blocked():
+            item = rank.next
             if item is None:
-                return progressed
-            step, _, effect, count = item
+                item = None if rank.ended else next(items, None)
+                if item is None:
+                    rank.ended = True
+                    return progressed
+                rank.next = item
+            step, kind, effect, count = item
             if step > rank.allowed_step:
                 if self._held_back_by(rank, step):
                     return progressed
                 rank.allowed_step = step
-            rank.take(step, effect, count)
+            rank.next = None
+            rank.records += count
+            if rank.top_step is None or step > rank.top_step:
+                rank.steps += 1
+                rank.top_step = step
+            rank.last_step = step
             if effect is not None:
+                if kind in _COLLECTIVE_KINDS:
+                    rank.collectives += 1
                 lanes.issue(effect)
                 if hub.completed_ranks:
                     self._pump()

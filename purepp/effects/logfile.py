@@ -19,18 +19,21 @@ of refusing the file: that is the log a crash leaves.
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+import typing
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, Final
 
 import attrs
 import cattrs
 
 from purepp.effects._converter import (
     CONVERTER,
+    EFFECT_CLASSES,
     build_checked_effect,
     canonical_json,
     describe_structure_error,
@@ -45,7 +48,7 @@ from purepp.effects.logmodel import (
     config_digest,
     numbering_problem,
 )
-from purepp.effects.vocabulary import Effect
+from purepp.effects.vocabulary import BufferRef, Effect, EventRef, WorkRef
 from purepp.errors import InvalidInputError, LogFormatError, PureppError
 from purepp.layout import Layout
 
@@ -169,18 +172,149 @@ def _no_constant(name: str) -> object:
 
 _STRUCTURE_ERRORS = (cattrs.BaseValidationError, PureppError, ValueError, TypeError, KeyError)
 
-# A record as the writer spells it, up to the effect's own fields.
+# A record as the writer spells it, up to the effect's own fields, and those fields.
 _PREFIX = re.compile(
     rb'\{"seq": (0|[1-9][0-9]*), "comm_seq": (null|0|[1-9][0-9]*), "effect": '
-    rb'\{"kind": "([a-z_]+)", "step": (0|[1-9][0-9]*), '
+    rb'\{"kind": "([a-z_]+)", "step": (0|[1-9][0-9]*), (.*)'
+)
+_DECODER = json.JSONDecoder()
+_BLOCK_BYTES = 1 << 18  # read a log this much at a time
+_TRUNCATED = "the last line is truncated (no newline: the writer stopped mid-line)"
+_TRUNCATED_FIX = (
+    "check it with `purepp check`, which reads a log up to the cut, or record the run again"
 )
 # Digits 1-9 as "1" (0 stays), so two lines differing only in numbers (and in the
 # digits of names) of the same lengths and zeros share one key. A number with a
 # leading zero ("007", not JSON) keys as "001", which no valid line has in that place.
 _BLANK_DIGITS = bytes.maketrans(b"23456789", b"11111111")
+_DIGITS = frozenset(b"0123456789")
+# Ten digits may exceed an int32 array's range, fewer never do.
+_LONG_NUMBER = re.compile(rb"[0-9]{10}")
+_REFS = (BufferRef, EventRef, WorkRef)
+
+# Builds a record's effect from the text after its step (the regex's last group) and
+# the step, for lines of one template: their fields sit at the same offsets.
+_FieldsBuilder = Callable[[bytes, int], Effect]
+
+
+def _enums(tp: Any, found: set[type[enum.Enum]]) -> set[type[enum.Enum]]:
+    """Every enum class reachable from the type `tp` (fields, tuples, unions)."""
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        found.add(tp)
+    elif isinstance(tp, type) and attrs.has(tp):
+        for hint in typing.get_type_hints(tp).values():
+            _enums(hint, found)
+    else:
+        for arg in typing.get_args(tp):
+            _enums(arg, found)
+    return found
+
+
+# Enum values with digits ("int64"), each with a byte no ASCII line holds: a line's key
+# spells them so, and they are not blanked with the digits of numbers and names.
+_ENUM_MARKS: Final = tuple(
+    (f'"{value}"'.encode("ascii"), bytes([0x80 + index]))
+    for index, value in enumerate(
+        sorted(
+            str(member.value)
+            for cls in _enums(Effect, set())
+            for member in cls
+            if _DIGITS.intersection(str(member.value).encode("ascii"))
+        )
+    )
+)
+
+
+@attrs.frozen
+class _Template:
+    """What a line validated in full says about the other lines of its key."""
+
+    kind: str  # the effect's kind
+    # Numbers an int32 array may not hold: build every record to check them
+    # (False: a record that never waits needs nothing checked but its numbering).
+    build_always: bool
+    builder: _FieldsBuilder | None  # builds the effect; None: the JSON decoder reads it
+
+
+_FIELD_TYPES: Final = {cls: typing.get_type_hints(cls) for cls in EFFECT_CLASSES}
+
 # Keys of lines already validated in full; bounded, as a cache.
-_SEEN_TEMPLATES: set[bytes] = set()
+_SEEN_TEMPLATES: dict[bytes, _Template] = {}
 _MAX_TEMPLATES = 4096
+
+
+def _template(rest: bytes, effect: Effect, kind: str) -> _Template | None:
+    """The template of a valid line whose text after its step is `rest`; None if unusual.
+
+    Escapes (a backslash) could spell digits with letters, so such lines are always
+    read in full.
+    """
+    if b"\\" in rest:
+        return None
+    return _Template(
+        kind=kind,
+        build_always=_LONG_NUMBER.search(rest) is not None,
+        builder=_fields_builder(rest, effect),
+    )
+
+
+def _field_spans(text: str) -> dict[str, tuple[int, int]] | None:
+    """Each field's (start, end) in `text` (`"op": ..., "field": value}}`); None if unusual."""
+    spans: dict[str, tuple[int, int]] = {}
+    at = 0
+    try:
+        while True:
+            name, at = _DECODER.raw_decode(text, at)
+            if type(name) is not str or text[at : at + 2] != ": " or name in spans:
+                return None
+            _, end = _DECODER.raw_decode(text, at + 2)
+            spans[name] = (at + 2, end)
+            if text[end:] == "}}":
+                return spans
+            if text[end : end + 2] != ", ":
+                return None
+            at = end + 2
+    except json.JSONDecodeError:
+        return None
+
+
+def _fields_builder(rest: bytes, effect: Effect) -> _FieldsBuilder | None:
+    """A builder for lines of `rest`'s template, whose effects are `effect`'s class, or None.
+
+    The template's lines share every byte but the digits of numbers and names (an
+    enum value's digits are part of the key), so a field without digits, or an enum,
+    is `effect`'s own, and a field with digits is read at its fixed offsets: an int, a
+    reference's name or a shape. Other fields (arrays, sections) are left to the JSON
+    decoder (None).
+    """
+    spans = _field_spans(rest.decode("ascii"))
+    cls = type(effect)
+    names = [field.name for field in attrs.fields(cls)]
+    if spans is None or sorted(spans) != sorted(names[1:]) or names[0] != "step":
+        return None
+    hints = _FIELD_TYPES[cls]
+    namespace: dict[str, Any] = {"cls": cls, "tuple": tuple, "map": map, "int": int}
+    arguments = ["step=step"]
+    for name in names[1:]:
+        start, end = spans[name]
+        hint = hints[name]
+        if not _DIGITS.intersection(rest[start:end]) or (
+            isinstance(hint, type) and issubclass(hint, enum.Enum)
+        ):
+            namespace[f"same_{name}"] = getattr(effect, name)
+            arguments.append(f"{name}=same_{name}")
+        elif hint is int:
+            arguments.append(f"{name}=int(rest[{start}:{end}])")
+        elif hint in _REFS and rest[start : start + 1] == b'"':
+            namespace[f"ref_{name}"] = hint
+            arguments.append(f"{name}=ref_{name}(rest[{start + 1}:{end - 1}].decode())")
+        elif hint == tuple[int, ...]:
+            arguments.append(f"{name}=tuple(map(int, rest[{start + 1}:{end - 1}].split(b', ')))")
+        else:
+            return None
+    # The text is built from field names and offsets only.
+    exec(f"def build(rest, step):\n    return cls({', '.join(arguments)})\n", namespace)
+    return typing.cast(_FieldsBuilder, namespace["build"])
 
 
 class LogStream:
@@ -236,72 +370,157 @@ class LogStream:
         step as one item counting them (`kind` is the first one's). A line that
         differs from a line already validated in full only in its digits (the same
         keys, kinds and enum values; numbers and names of the same lengths) is not
-        validated again: it is built directly, or, for `local_kinds`, not built at
-        all. Its numbering is still checked, and any other line is read in full, so
-        a bad log fails as it does when iterated.
+        validated again: it is built directly (its fields read at the validated
+        line's offsets), or, for `local_kinds`, not built at all. Its numbering is
+        still checked, a record holding a number of ten digits or more is still built
+        (an int32 array may not hold it), and any other line is read in full, so a bad
+        log fails as it does when iterated. The file is read a block at a time.
         """
         numbering = Numbering()
-        local = {kind.encode("ascii"): kind for kind in local_kinds}
+        local = frozenset(kind.encode("ascii") for kind in local_kinds)
+        match, blank, marks, seen = _PREFIX.match, _BLANK_DIGITS, _ENUM_MARKS, _SEEN_TEMPLATES
         run_step, run_kind, run = 0, "", 0  # the local records not yet yielded
+        item: tuple[int, str, Effect | None, int]
+        line_number = self.lines_read
         try:
-            while (line := self._next_line()) is not None:
-                prefix = _PREFIX.match(line)
-                key = None if prefix is None else _template_key(prefix, line)
-                if key is None or prefix is None or key not in _SEEN_TEMPLATES:
-                    effect = self._record(line, numbering).effect
-                    if key is not None:
-                        if len(_SEEN_TEMPLATES) >= _MAX_TEMPLATES:
-                            _SEEN_TEMPLATES.clear()
-                        _SEEN_TEMPLATES.add(key)
-                    kind = kind_of(effect)
-                    item = (effect.step, kind, None if kind in local_kinds else effect, 1)
-                elif prefix[3] in local and prefix[2] == b"null":
-                    # The hot path: most records never wait and are not built.
-                    if int(prefix[1]) != numbering.next_seq:
-                        self._record(line, numbering)  # raises, naming the seq
-                    numbering.skip_local()
-                    step = int(prefix[4])
-                    if run and step == run_step:
+            for block in self._blocks():
+                for line in block:
+                    line_number += 1
+                    prefix = match(line)
+                    key = template = None
+                    if prefix is not None:
+                        seq, comm_seq, kind, step, rest = prefix.groups()
+                        # The key: the line after its step with the digits of numbers
+                        # and names blanked, of ASCII lines only (as the writer's are),
+                        # so a mark stands for its enum value alone.
+                        if rest.isascii():
+                            marked = rest
+                            for value, mark in marks:
+                                marked = marked.replace(value, mark)
+                            key = kind + marked.translate(blank)
+                            template = seen.get(key)
+                    if (
+                        template is not None
+                        and kind in local
+                        and comm_seq == b"null"
+                        and not template.build_always
+                    ):
+                        # The hot path: most records never wait and are not built.
+                        if int(seq) != numbering.next_seq:
+                            self.lines_read = line_number
+                            self._record(line, numbering)  # raises, naming the seq
+                        numbering.skip_local()
+                        if run and int(step) == run_step:
+                            run += 1
+                            continue
+                        item = (int(step), template.kind, None, 1)
+                    else:
+                        self.lines_read = line_number
+                        item = self._read(
+                            line, prefix, key, template, numbering, local_kinds=local_kinds
+                        )
+                    if run and item[2] is None and item[0] == run_step:
                         run += 1
                         continue
-                    item = (step, local[prefix[3]], None, 1)
-                else:
-                    item = self._from_template(prefix, line, numbering, local_kinds)
-                if run and item[2] is None and item[0] == run_step:
-                    run += 1
-                    continue
-                if run:
-                    yield run_step, run_kind, None, run
-                    run = 0
-                if item[2] is None:
-                    run_step, run_kind, run = item[0], item[1], 1
-                else:
-                    yield item
+                    if run:
+                        yield run_step, run_kind, None, run
+                        run = 0
+                    if item[2] is None:
+                        run_step, run_kind, run = item[0], item[1], 1
+                    else:
+                        yield item
+                self.lines_read = line_number
             if run:
                 yield run_step, run_kind, None, run
         finally:
             self.close()
 
+    def _read(
+        self,
+        line: bytes,
+        prefix: re.Match[bytes] | None,
+        key: bytes | None,
+        template: _Template | None,
+        numbering: Numbering,
+        *,
+        local_kinds: frozenset[str],
+    ) -> tuple[int, str, Effect | None, int]:
+        """Read a line off the hot path: through its template, or in full if it has none."""
+        if template is None or prefix is None:
+            return self._validated(line, prefix, key, numbering, local_kinds)
+        return self._from_template(prefix, template, line, numbering, local_kinds)
+
+    def _validated(
+        self,
+        line: bytes,
+        prefix: re.Match[bytes] | None,
+        key: bytes | None,
+        numbering: Numbering,
+        local_kinds: frozenset[str],
+    ) -> tuple[int, str, Effect | None, int]:
+        """Read `line` in full; remember its template under `key` once it proved valid."""
+        effect = self._record(line, numbering).effect
+        kind = kind_of(effect)
+        if key is not None and prefix is not None:
+            template = _template(prefix[5], effect, kind)
+            if template is not None:
+                if len(_SEEN_TEMPLATES) >= _MAX_TEMPLATES:
+                    _SEEN_TEMPLATES.clear()
+                _SEEN_TEMPLATES[key] = template
+        return effect.step, kind, None if kind in local_kinds else effect, 1
+
     def _from_template(
         self,
         prefix: re.Match[bytes],
+        template: _Template,
         line: bytes,
         numbering: Numbering,
         local_kinds: frozenset[str],
     ) -> tuple[int, str, Effect | None, int]:
-        """Read `line`, whose template was validated in full, without validating it again."""
-        seq, kind, step = int(prefix[1]), prefix[3].decode("ascii"), int(prefix[4])
-        value = json.loads(line)
+        """Read `line`, of a template validated in full, without validating it again."""
+        seq_digits, comm_seq, _, step_digits, rest = prefix.groups()
+        kind, seq, step = template.kind, int(seq_digits), int(step_digits)
         try:
-            effect = build_checked_effect(kind, value["effect"])
-        except (ValueError, OverflowError):
+            if template.builder is not None:
+                effect = template.builder(rest, step)
+                logged_comm_seq = None if comm_seq == b"null" else int(comm_seq)
+            else:
+                # The template's line was valid JSON and this one differs in digits alone,
+                # so the plain decoder (no encoding sniffing, no trailing-text check) reads it.
+                value = _DECODER.raw_decode(line.decode("utf-8"))[0]
+                effect = build_checked_effect(kind, value["effect"])
+                logged_comm_seq = value["comm_seq"]
+        except (ValueError, OverflowError, KeyError):
             return step, kind, self._record(line, numbering).effect, 1  # raises the full error
         expected_seq, expected_comm_seq = numbering.expect(effect)
-        if expected_seq != seq or expected_comm_seq != value["comm_seq"]:
-            record = LogRecord(seq=seq, comm_seq=value["comm_seq"], effect=effect)
+        if expected_seq != seq or expected_comm_seq != logged_comm_seq:
+            record = LogRecord(seq=seq, comm_seq=logged_comm_seq, effect=effect)
             expected = LogRecord(seq=expected_seq, comm_seq=expected_comm_seq, effect=effect)
             raise self._fail(self.lines_read, str(numbering_problem(record, expected)))
         return step, kind, None if kind in local_kinds else effect, 1
+
+    def _blocks(self) -> Iterator[list[bytes]]:
+        """The complete lines after those read so far (without newlines), a block at a time.
+
+        Stops at a cut last line (with `allow_cut_end`, setting `cut_line`) or raises,
+        as `_next_line` does; `lines_read` is the caller's to advance.
+        """
+        if self._file is None:
+            return
+        read, tail, lines_read = self._file.read, b"", self.lines_read
+        while block := read(_BLOCK_BYTES):
+            lines = (tail + block).split(b"\n")
+            tail = lines.pop()
+            lines_read += len(lines)
+            yield lines
+        if tail:
+            # Every line ends in a newline when written, so text after the last one is a
+            # line the writer never finished (a crash or a kill mid-write).
+            self.lines_read = lines_read + 1
+            if self._allow_cut_end:
+                self.cut_line = self.lines_read
+                return
+            raise self._fail(self.lines_read, _TRUNCATED, _TRUNCATED_FIX)
 
     # -- lines --
 
@@ -324,12 +543,7 @@ class LogStream:
         if self._allow_cut_end and self.lines_read > 1:
             self.cut_line = self.lines_read
             return None
-        raise self._fail(
-            self.lines_read,
-            "the last line is truncated (no newline: the writer stopped mid-line)",
-            "check it with `purepp check`, which reads a log up to the cut, "
-            "or record the run again",
-        )
+        raise self._fail(self.lines_read, _TRUNCATED, _TRUNCATED_FIX)
 
     def _json_object(self, data: bytes) -> dict[str, object]:
         line = self.lines_read
@@ -405,12 +619,6 @@ class LogStream:
         if problem is not None:
             raise self._fail(self.lines_read, problem)
         return record
-
-
-def _template_key(prefix: re.Match[bytes], line: bytes) -> bytes:
-    """The line with its digits blanked (the seq, comm_seq and step groups apart)."""
-    null = b"n" if prefix[2] == b"null" else b"i"
-    return prefix[3] + null + line[prefix.end() :].translate(_BLANK_DIGITS)
 
 
 def load_log(path: str | os.PathLike[str], *, expect_world: Layout | None = None) -> EffectLog:

@@ -524,6 +524,11 @@ def check_posts(
     "expected" its own declaration and "received" the sender's), else the
     lowest-ranked member that posted. Members are compared in ascending order.
     """
+    if len(posts) == 1:
+        # The first post of an op (the common case): only its source can be wrong.
+        ((rank, signature),) = posts.items()
+        if rank in instance.group and (signature.src is None or signature.src in instance.group):
+            return None
     members = [r for r in instance.group if r in posts]
     for rank in members:
         signature = posts[rank]
@@ -543,8 +548,10 @@ def check_posts(
     if reference is None:
         return None
     for rank in members:
+        if rank == reference:
+            continue
         differing = _differing(posts[rank], posts[reference])
-        if rank != reference and differing:
+        if differing:
             return MismatchReport(
                 rank=rank,
                 instance=instance,
