@@ -4,12 +4,21 @@ model catches it; the correct runner, with rejections forced, matches token for 
 
 Each case runs the real per-rank loop (`RankLoop`) on a 2-process gloo world; the
 fault is injected beneath it, in the interpreter, so the loop's code is untouched.
+
+And a launcher killed by SIGKILL (no handler runs): its ranks die with it and its
+temporary folder is removed all the same.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+import time
+import uuid
 from collections.abc import Iterable
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,3 +93,58 @@ def test_drafts_that_never_reach_earlier_stages_are_caught_by_parity() -> None:
     assert verdict.mismatch is not None
     assert verdict.mismatch.why == "different token"
     assert "expected" in verdict.render()
+
+
+# -- a launcher killed by SIGKILL ------------------------------------------------------
+
+PUREPP_RUN = [sys.executable, "-m", "purepp.runner.cli", "run"]
+MARK = "PUREPP_TEST_MARK"  # in the launcher's environment, so in its children's too
+
+
+def marked_processes(mark: str) -> list[int]:
+    """Live processes whose environment carries `MARK=mark`."""
+    found = []
+    needle = f"{MARK}={mark}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_launcher_killed_by_sigkill_leaves_no_process_and_no_temporary_folder(
+    tmp_path: Path,
+) -> None:
+    mark = uuid.uuid4().hex
+    tmpdir = tmp_path / "tmp"  # the run's TMPDIR: its temporary folders go here
+    tmpdir.mkdir()
+    launcher = subprocess.Popen(
+        [*PUREPP_RUN, "--pp", "2", "--dp", "1", "--steps", "1000000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, MARK: mark, "TMPDIR": str(tmpdir)},
+    )
+    try:
+        # Every rank and the reference beating, in the loop.
+        beats = [f"run/progress/rank{rank}" for rank in range(2)] + ["ref/progress/rank0"]
+        deadline = time.monotonic() + 120
+        while not all(any(tmpdir.glob(f"purepp-run-*/{beat}")) for beat in beats):
+            assert time.monotonic() < deadline, "the ranks never started"
+            assert launcher.poll() is None, "the launcher exited early"
+            time.sleep(0.2)
+        time.sleep(2)
+        assert len(marked_processes(mark)) >= 4  # the launcher, two ranks, the reference
+    finally:
+        launcher.kill()  # SIGKILL: no handler of the launcher runs
+        launcher.wait()
+    deadline = time.monotonic() + 15
+    while (marked_processes(mark) or any(tmpdir.iterdir())) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the parent-death signal and the sweeper act asynchronously
+    assert marked_processes(mark) == []
+    assert list(tmpdir.iterdir()) == []

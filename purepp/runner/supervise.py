@@ -9,7 +9,9 @@ whose collective timed out first. The reference process is watched the same way.
 
 Stopping: the ranks run in their own sessions (Ctrl-C reaches only the launcher,
 which stops them in order), carry Linux's parent-death signal (SIGKILL when the
-launcher dies, even by SIGKILL) and watch their parent themselves. No torch here.
+launcher dies, even by SIGKILL) and watch their parent themselves. The run's
+temporary folder has a sweeper process that removes it once the launcher is gone,
+even by SIGKILL. No torch here.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import ctypes
 import fcntl
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -437,6 +440,52 @@ def _stop(ranks: Sequence[_Rank]) -> None:
             rank.process.wait()
 
 
+# The sweeper: waits for the end of a pipe that only the launcher holds (closed when
+# the launcher exits, however it exits: SIGKILL too), then removes the folder in argv[1],
+# again while a dying rank still writes into it. Standard library only, so it starts fast.
+_SWEEPER = """
+import os, shutil, sys, time
+sys.stdin.buffer.read()
+deadline = time.monotonic() + 60
+while os.path.lexists(sys.argv[1]) and time.monotonic() < deadline:
+    shutil.rmtree(sys.argv[1], ignore_errors=True)
+    time.sleep(0.1)
+"""
+
+
+@contextlib.contextmanager
+def _temporary_folder(prefix: str) -> Iterator[Path]:
+    """A new temporary folder, removed on exit, even when this process is SIGKILLed.
+
+    No handler runs then, and the ranks die by their parent-death signal, so a
+    sweeper process in its own session (Ctrl-C does not reach it) removes the folder
+    once this process is gone; after a normal exit it finds nothing left to remove.
+    """
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    read_end, write_end = os.pipe()  # neither is inherited by the ranks
+    try:
+        sweeper = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _SWEEPER, str(folder)],
+            stdin=read_end,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    except BaseException:
+        os.close(write_end)
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    finally:
+        os.close(read_end)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.close(write_end)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            sweeper.wait(timeout=_STOP_GRACE_S)
+
+
 @contextlib.contextmanager
 def _stopped_on_exit() -> Iterator[list[_Rank]]:
     started: list[_Rank] = []
@@ -570,7 +619,7 @@ def launch(
             # The folder must hold this run's logs only: `purepp check` reads every one.
             for old_log in Path(log_dir).glob("rank-*.jsonl"):
                 old_log.unlink()
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="purepp-run-")))
+        tmp = stack.enter_context(_temporary_folder("purepp-run-"))
         started = stack.enter_context(_stopped_on_exit())
         world = _World("run", settings.world_size, argv, tmp / "run", started)
         reference = _reference_world(settings, tmp / "ref", started)
@@ -584,7 +633,7 @@ def summarise_against_reference(settings: RunSettings, results: Sequence[RankRes
     results of a world started elsewhere, e.g. by torchrun) against it."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(_signals_stop_the_run())
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="purepp-ref-")))
+        tmp = stack.enter_context(_temporary_folder("purepp-ref-"))
         started = stack.enter_context(_stopped_on_exit())
         reference = _reference_world(settings, tmp / "ref", started)
         _wait([reference], settings.timeout_s, show=reference)
