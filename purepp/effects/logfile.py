@@ -34,6 +34,7 @@ import cattrs
 from purepp.effects._converter import (
     CONVERTER,
     EFFECT_CLASSES,
+    EFFECT_KINDS,
     build_checked_effect,
     canonical_json,
     describe_structure_error,
@@ -225,6 +226,18 @@ _ENUM_MARKS: Final = tuple(
 )
 
 
+# The kinds whose lines may hold such a value: only theirs need the marks.
+_MARKED_KINDS: Final = frozenset(
+    kind.encode("ascii")
+    for kind, cls in EFFECT_KINDS.items()
+    if any(
+        _DIGITS.intersection(str(member.value).encode("ascii"))
+        for enum_class in _enums(cls, set())
+        for member in enum_class
+    )
+)
+
+
 @attrs.frozen
 class _Template:
     """What a line validated in full says about the other lines of its key."""
@@ -378,7 +391,8 @@ class LogStream:
         """
         numbering = Numbering()
         local = frozenset(kind.encode("ascii") for kind in local_kinds)
-        match, blank, marks, seen = _PREFIX.match, _BLANK_DIGITS, _ENUM_MARKS, _SEEN_TEMPLATES
+        match, blank, seen = _PREFIX.match, _BLANK_DIGITS, _SEEN_TEMPLATES
+        marks, marked_kinds = _ENUM_MARKS, _MARKED_KINDS
         run_step, run_kind, run = 0, "", 0  # the local records not yet yielded
         item: tuple[int, str, Effect | None, int]
         line_number = self.lines_read
@@ -395,8 +409,9 @@ class LogStream:
                         # so a mark stands for its enum value alone.
                         if rest.isascii():
                             marked = rest
-                            for value, mark in marks:
-                                marked = marked.replace(value, mark)
+                            if kind in marked_kinds:
+                                for value, mark in marks:
+                                    marked = marked.replace(value, mark)
                             key = kind + marked.translate(blank)
                             template = seen.get(key)
                     if (
@@ -416,8 +431,12 @@ class LogStream:
                         item = (int(step), template.kind, None, 1)
                     else:
                         self.lines_read = line_number
-                        item = self._read(
-                            line, prefix, key, template, numbering, local_kinds=local_kinds
+                        item = (
+                            self._validated(line, prefix, key, numbering, local_kinds)
+                            if template is None
+                            else self._from_template(
+                                (seq, comm_seq, step, rest), template, line, numbering, local_kinds
+                            )
                         )
                     if run and item[2] is None and item[0] == run_step:
                         run += 1
@@ -434,21 +453,6 @@ class LogStream:
                 yield run_step, run_kind, None, run
         finally:
             self.close()
-
-    def _read(
-        self,
-        line: bytes,
-        prefix: re.Match[bytes] | None,
-        key: bytes | None,
-        template: _Template | None,
-        numbering: Numbering,
-        *,
-        local_kinds: frozenset[str],
-    ) -> tuple[int, str, Effect | None, int]:
-        """Read a line off the hot path: through its template, or in full if it has none."""
-        if template is None or prefix is None:
-            return self._validated(line, prefix, key, numbering, local_kinds)
-        return self._from_template(prefix, template, line, numbering, local_kinds)
 
     def _validated(
         self,
@@ -471,14 +475,17 @@ class LogStream:
 
     def _from_template(
         self,
-        prefix: re.Match[bytes],
+        fields: tuple[bytes, bytes, bytes, bytes],
         template: _Template,
         line: bytes,
         numbering: Numbering,
         local_kinds: frozenset[str],
     ) -> tuple[int, str, Effect | None, int]:
-        """Read `line`, of a template validated in full, without validating it again."""
-        seq_digits, comm_seq, _, step_digits, rest = prefix.groups()
+        """Read `line`, of a template validated in full, without validating it again.
+
+        `fields`: its seq, comm_seq and step as written, and the text after the step.
+        """
+        seq_digits, comm_seq, step_digits, rest = fields
         kind, seq, step = template.kind, int(seq_digits), int(step_digits)
         try:
             if template.builder is not None:
