@@ -877,8 +877,9 @@ def test_a_scan_counts_a_run_of_local_records_of_one_step_as_one_item(tmp_path: 
         ('"waits_for": "main"', '"waits_for": "rely"', "waits_for"),
         # An enum value's digits are not free to vary as a name's are.
         ('"dtype": "int64"', '"dtype": "int65"', "dtype"),
+        ('{"shape": [2, 2], "values"', '{"shape": [3, 2], "values"', r"shape \[3, 2\]"),
     ],
-    ids=["int32-range", "leading-zero", "seq", "comm-seq", "enum", "enum-digits"],
+    ids=["int32-range", "leading-zero", "seq", "comm-seq", "enum", "enum-digits", "array-shape"],
 )
 def test_a_scan_rejects_what_loading_rejects(
     tmp_path: Path, old: str, new: str, problem: str

@@ -40,6 +40,7 @@ from purepp.effects._converter import (
     describe_structure_error,
     kind_of,
 )
+from purepp.effects.arrays import IntArray, int32_array
 from purepp.effects.logmodel import (
     SCHEMA,
     EffectLog,
@@ -191,7 +192,7 @@ _BLANK_DIGITS = bytes.maketrans(b"23456789", b"11111111")
 _DIGITS = frozenset(b"0123456789")
 # Ten digits may exceed an int32 array's range, fewer never do.
 _LONG_NUMBER = re.compile(rb"[0-9]{10}")
-_REFS = (BufferRef, EventRef, WorkRef)
+_REFS: Final = (BufferRef, EventRef, WorkRef)
 
 # Builds a record's effect from the text after its step (the regex's last group) and
 # the step, for lines of one template: their fields sit at the same offsets.
@@ -271,6 +272,37 @@ def _template(rest: bytes, effect: Effect, kind: str) -> _Template | None:
     )
 
 
+def _ref_type(hint: Any) -> type[BufferRef | EventRef | WorkRef] | None:
+    """The reference class of a field typed `hint` (a ref, or a ref or None), if it is one."""
+    for ref in _REFS:
+        if hint is ref or hint == ref | None:
+            return ref
+    return None
+
+
+# An int32 array field's text (`{"shape": [...], "values": [...]}`) -> its immutable
+# array: the same tables recur, step after step. Bounded, as a cache.
+_ARRAYS: dict[bytes, IntArray] = {}
+
+
+def _int32_array_of(text: bytes) -> IntArray:
+    """The array an int32 array field's text holds, of a template's line.
+
+    Raises OverflowError (a value outside int32) or ValueError (values not of the
+    declared shape): the caller then reads the line in full for the error.
+    """
+    array = _ARRAYS.get(text)
+    if array is None:
+        value = _DECODER.raw_decode(text.decode("ascii"))[0]
+        array = int32_array(value["values"])
+        if array.shape != tuple(value["shape"]):
+            raise ValueError(f"values of shape {list(array.shape)}, declared {value['shape']}")
+        if len(_ARRAYS) >= _MAX_TEMPLATES:
+            _ARRAYS.clear()
+        _ARRAYS[text] = array
+    return array
+
+
 def _field_spans(text: str) -> dict[str, tuple[int, int]] | None:
     """Each field's (start, end) in `text` (`"op": ..., "field": value}}`); None if unusual."""
     spans: dict[str, tuple[int, int]] = {}
@@ -297,8 +329,8 @@ def _fields_builder(rest: bytes, effect: Effect) -> _FieldsBuilder | None:
     The template's lines share every byte but the digits of numbers and names (an
     enum value's digits are part of the key), so a field without digits, or an enum,
     is `effect`'s own, and a field with digits is read at its fixed offsets: an int, a
-    reference's name or a shape. Other fields (arrays, sections) are left to the JSON
-    decoder (None).
+    reference's name, a shape or an int32 array. Other fields (sections) are left to
+    the JSON decoder (None).
     """
     spans = _field_spans(rest.decode("ascii"))
     cls = type(effect)
@@ -318,11 +350,15 @@ def _fields_builder(rest: bytes, effect: Effect) -> _FieldsBuilder | None:
             arguments.append(f"{name}=same_{name}")
         elif hint is int:
             arguments.append(f"{name}=int(rest[{start}:{end}])")
-        elif hint in _REFS and rest[start : start + 1] == b'"':
-            namespace[f"ref_{name}"] = hint
+        elif (ref := _ref_type(hint)) is not None and rest[start : start + 1] == b'"':
+            # (An optional ref's lines all hold a name: null has no digits.)
+            namespace[f"ref_{name}"] = ref
             arguments.append(f"{name}=ref_{name}(rest[{start + 1}:{end - 1}].decode())")
         elif hint == tuple[int, ...]:
             arguments.append(f"{name}=tuple(map(int, rest[{start + 1}:{end - 1}].split(b', ')))")
+        elif hint == IntArray:
+            namespace["int32_array_of"] = _int32_array_of
+            arguments.append(f"{name}=int32_array_of(rest[{start}:{end}])")
         else:
             return None
     # The text is built from field names and offsets only.
