@@ -64,6 +64,10 @@ class BatchFacts:
     prefill_len: IntArray = attrs.field(eq=ARRAY_EQ, hash=False)  # prompt length to finish
     # rows that produce a sampled token this step (None: no row does), computed once
     sampled_mask: BoolArray | None = attrs.field(eq=False, repr=False)
+    # derived once here, read by every relay step: whether every row samples, and the
+    # largest slot (-1 for an empty batch)
+    all_sampled: bool = attrs.field(eq=False, repr=False)
+    max_slot: int = attrs.field(eq=False, repr=False)
 
     def __init__(
         self,
@@ -87,8 +91,15 @@ class BatchFacts:
         prefill = _counts("prefill_len", prefill_len, rows)
         # int64 sum: two int32 counts near the limit must not wrap.
         mask = computed.astype(np.int64) + scheduled >= prefill
+        sampled = frozen(mask) if mask.any() else None
         self.__attrs_init__(
-            slots, computed, scheduled, prefill, frozen(mask) if mask.any() else None
+            slots,
+            computed,
+            scheduled,
+            prefill,
+            sampled,
+            sampled is not None and bool(mask.all()),
+            int(slots.max()) if rows else -1,
         )
 
     @property

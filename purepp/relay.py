@@ -332,6 +332,7 @@ class PendingReceive:
     idx_mapping_np: IntArray = attrs.field(eq=ARRAY_EQ)  # the slot mapping on the host
     # rows that produced a token (None: none did; only the fixed wire posts such a step)
     need_sampled: BoolArray | None = attrs.field(eq=ARRAY_EQ)
+    all_sampled: bool  # every row produced a token: consume skips no row for the mask
     generations: IntArray = attrs.field(eq=ARRAY_EQ)  # slot generations when received
     rows: int  # wire rows: the batch's, or its bucket on the fixed wire
 
@@ -481,11 +482,10 @@ def _check_batch(call: str, config: RelayConfig, batch: BatchFacts) -> None:
         raise InvalidInputError(
             call, f"batch is {type(batch).__name__}", "pass the step's BatchFacts"
         )
-    if batch.num_reqs and int(batch.idx_mapping.max()) >= config.max_num_reqs:
+    if batch.max_slot >= config.max_num_reqs:
         raise InvalidInputError(
             call,
-            f"idx_mapping holds slot {int(batch.idx_mapping.max())} "
-            f"but max_num_reqs is {config.max_num_reqs}",
+            f"idx_mapping holds slot {batch.max_slot} but max_num_reqs is {config.max_num_reqs}",
             "map batch rows to slots below max_num_reqs",
         )
 
@@ -601,7 +601,7 @@ def receive(config: RelayConfig, state: RelayState, batch: BatchFacts) -> Step[R
         generations=state.generations,
         to_release=state.to_release,
     )
-    return Step(new_state, effects, mask is not None and bool(mask.all()))
+    return Step(new_state, effects, batch.all_sampled)
 
 
 def _pending(
@@ -631,6 +631,7 @@ def _pending(
         buffers=buffers,
         idx_mapping_np=batch.idx_mapping,
         need_sampled=mask,
+        all_sampled=batch.all_sampled,
         # Snapshot, so a free of any of these slots before consume is detectable.
         generations=frozen(state.generations[batch.idx_mapping]),
         rows=rows,
@@ -824,23 +825,25 @@ def consume_previous_step(
     exclude = state.generations[slots] != oldest.generations
     if oldest.need_sampled is None:
         exclude[:] = True
-    else:
+    elif not oldest.all_sampled:
         exclude |= ~oldest.need_sampled
-    if exclude.all():
+    # The common case (no row dropped) answers `any` alone; an empty batch drops all.
+    dropped = bool(exclude.any())
+    if (dropped or not n) and exclude.all():
         # No request wants these tokens any more; nothing waits on the receive, so its
         # event is dropped unwaited (the seed lets the entry be garbage-collected).
         forget = ForgetEvent(step=step, op=op, event=oldest.event)
-        dropped = RelayState(
+        emptied = RelayState(
             step=step, ring=ring, generations=state.generations, to_release=released
         )
-        return Step(dropped, KeyedEffects((forget,), ("relay.consume.forget",)), None)
+        return Step(emptied, KeyedEffects((forget,), ("relay.consume.forget",)), None)
 
     effects: list[Effect] = []
     idx_mapping = oldest.idx_mapping
     idx_mapping_np = slots
     filtered_rows = False
     scatter = oldest.draft_tokens is not None and update_drafts
-    if idx_mapping is None or exclude.any():
+    if idx_mapping is None or dropped:
         filtered_rows = True
         # The padding rows of the fixed wire, and the dropped rows, read slot -1.
         filtered = np.full(oldest.rows, -1, dtype=np.int32)

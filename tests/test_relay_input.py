@@ -537,3 +537,30 @@ def test_a_group_of_one_decides_without_a_collective() -> None:
     phase = agree(RANK, begun, BATCH, ShapeFacts(num_tokens=3, need_eager=True), numpy_io())
     effects = [e for batch in phase for e in batch]
     assert effects == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(0, 80)), max_size=12
+    ),
+    slot_offset=st.integers(0, 100),
+)
+def test_batch_facts_derive_the_mask_summary_and_the_largest_slot_from_their_arrays(
+    rows: list[tuple[int, int, int]], slot_offset: int
+) -> None:
+    slots = [slot_offset + 3 * i for i in range(len(rows))]
+    batch = BatchFacts(
+        idx_mapping=slots,
+        num_computed_tokens=[r[0] for r in rows],
+        num_scheduled_tokens=[r[1] for r in rows],
+        prefill_len=[r[2] for r in rows],
+    )
+    samples = [computed + scheduled >= prefill for computed, scheduled, prefill in rows]
+    assert batch.max_slot == (max(slots) if slots else -1)
+    assert batch.all_sampled == (bool(samples) and all(samples))
+    if any(samples):
+        assert batch.sampled_mask is not None
+        assert batch.sampled_mask.tolist() == samples
+    else:
+        assert batch.sampled_mask is None
