@@ -705,14 +705,14 @@ def start_agreement(
         own=own,
         release=(Release(step=step, op=Op.AGREE, buffer=table_ref),),
     )
-    all_reduce = AllReduce(
-        step=step,
-        op=Op.AGREE,
-        contribution=contribution,
-        result=table_ref,
-        comm=group.comm_of(lane),
-        work=work,
-    )
+    # Built without AllReduce's converter: the contribution is frozen int32 already.
+    all_reduce = _new(AllReduce)
+    _set(all_reduce, "step", step)
+    _set(all_reduce, "op", Op.AGREE)
+    _set(all_reduce, "contribution", contribution)
+    _set(all_reduce, "result", table_ref)
+    _set(all_reduce, "comm", group.comm_of(lane))
+    _set(all_reduce, "work", work)
     return Step(state=busy, effects=(all_reduce,), result=pending)
 
 
