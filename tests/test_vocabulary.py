@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 import pickle
+from pathlib import Path
 
+import attrs
 import pytest
 
 from purepp.effects._converter import CONVERTER
+from purepp.effects.log import load_log
 from purepp.effects.vocabulary import (
     BufferRef,
     Communicator,
@@ -15,6 +18,7 @@ from purepp.effects.vocabulary import (
     EventRef,
     Op,
     Release,
+    ScatterRows,
     Stream,
     WorkRef,
 )
@@ -68,3 +72,26 @@ def test_enum_members_hash_consistently_with_equality(kind: type[enum.Enum]) -> 
         assert table[same] == index
         assert hash(same) == hash(member)
         assert pickle.loads(pickle.dumps(member)) is member
+
+
+def test_a_log_written_before_scatter_rows_had_skips_loads_with_the_old_meaning(
+    tmp_path: Path,
+) -> None:
+    # Older logs have no "skips" field: their scatters skipped -1 rows, as skips=True does.
+    golden = Path(__file__).parent / "data" / "golden" / "pp2_spec2" / "rank-0000.jsonl"
+    text = golden.read_text()
+    assert '"skips": false' in text
+    old = tmp_path / "rank-0000.jsonl"
+    old.write_text(text.replace(', "skips": false', "").replace(', "skips": true', ""))
+    now = [record.effect for record in load_log(golden).records]
+    then = [record.effect for record in load_log(old).records]
+    scatters = [i for i, effect in enumerate(now) if isinstance(effect, ScatterRows)]
+    assert scatters
+    for index, (effect, earlier) in enumerate(zip(now, then, strict=True)):
+        if index in scatters:
+            assert isinstance(earlier, ScatterRows)
+            assert isinstance(effect, ScatterRows)
+            assert earlier.skips
+            assert attrs.evolve(earlier, skips=effect.skips) == effect
+        else:
+            assert earlier == effect
