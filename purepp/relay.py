@@ -843,6 +843,7 @@ def consume_previous_step(
     idx_mapping_np = slots
     filtered_rows = False
     scatter = oldest.draft_tokens is not None and update_drafts
+    skips = dropped or oldest.rows > n  # -1 marks a dropped row or a fixed-wire padding row
     if idx_mapping is None or dropped:
         filtered_rows = True
         # The padding rows of the fixed wire, and the dropped rows, read slot -1.
@@ -867,7 +868,7 @@ def consume_previous_step(
                 index=idx_mapping,
                 target=config.inputs.draft_table,
                 stream=Stream.MAIN,
-                skips=filtered_rows,  # only a filtered mapping holds -1
+                skips=skips,
             )
         )
     outputs = ConsumedOutputs(
@@ -879,7 +880,7 @@ def consume_previous_step(
         idx_mapping_np=idx_mapping_np,
     )
     new_state = RelayState(step=step, ring=ring, generations=state.generations, to_release=released)
-    key = ("relay.consume", config, oldest.rows, filtered_rows, scatter)
+    key = ("relay.consume", config, oldest.rows, filtered_rows, skips, scatter)
     return Step(new_state, KeyedEffects(effects, key), outputs)
 
 
