@@ -26,9 +26,13 @@ from purepp.effects.matching import (
     MismatchReport,
     Report,
     RingOverrunReport,
+    check_posts,
+    comm_instance,
     match_collectives,
+    signature_of,
 )
-from purepp.effects.numpy_interpreter import POISON, NumpyInterpreter
+from purepp.effects.numpy_interpreter import POISON, NumpyInterpreter, PostedCollective
+from purepp.effects.scheduler import CollectiveHub
 from purepp.effects.simulator import RankContext, RankProgram, simulate
 from purepp.effects.vocabulary import (
     Alias,
@@ -1106,3 +1110,53 @@ def test_alone_an_all_reduce_returns_the_contribution() -> None:
 def test_the_numpy_interpreter_is_an_interpreter() -> None:
     interpreter: Interpreter = NumpyInterpreter()  # checked by mypy: the shared protocol
     interpreter.perform(())
+
+
+_POSTS = st.tuples(
+    st.integers(0, 2),  # rank
+    st.booleans(),  # broadcast, else all-reduce
+    st.integers(0, 1),  # step
+    st.integers(1, 2),  # width
+    st.sampled_from([0, 2, 5]),  # broadcast source (5 is outside the group)
+    st.sampled_from([Op.BROADCAST, Op.RECEIVE]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(posts=st.lists(_POSTS, max_size=9))
+def test_the_hub_reports_exactly_what_check_posts_finds_in_the_posts_so_far(
+    posts: list[tuple[int, bool, int, int, int, Op]],
+) -> None:
+    # The hub skips `check_posts` where it can prove the answer (an equal post, or one
+    # differing only in what is not compared); the answer must never change.
+    world = Layout(pp=3, dp=1)
+    hub = CollectiveHub(world, call="test")
+    instance = comm_instance(world, 0, Communicator.PP_RELAY)
+    declared: dict[int, dict[int, Broadcast | AllReduce]] = {}  # seq -> rank -> effect
+    issued = dict.fromkeys(instance.group, 0)
+    for rank, is_broadcast, step, width, src, op in posts:
+        effect: Broadcast | AllReduce
+        if is_broadcast:
+            effect = _broadcast(step, op, BufferRef("b"), (width,), src)
+        else:
+            effect = AllReduce(
+                step=step,
+                op=op,
+                contribution=np.zeros((1, width), dtype=np.int32),
+                result=BufferRef("t"),
+                comm=Communicator.PP_RELAY,
+                work=None,
+            )
+        seq = issued[rank]
+        issued[rank] += 1
+        declared.setdefault(seq, {})[rank] = effect
+        signatures = {r: signature_of(e) for r, e in declared[seq].items()}
+        expected = check_posts(instance, seq, signatures)
+        posted = PostedCollective(rank, effect, np.zeros(width, dtype=np.int64))
+        if expected is None:
+            hub.post(posted)
+            continue
+        with pytest.raises(CollectiveReportError) as error:
+            hub.post(posted)
+        assert error.value.report == expected
+        return

@@ -26,6 +26,7 @@ import numpy as np
 from purepp.effects._converter import EFFECT_KINDS
 from purepp.effects.matching import (
     AwaitedCollective,
+    CollectiveKind,
     CollectiveReportError,
     CollectiveSignature,
     CommInstance,
@@ -43,10 +44,12 @@ from purepp.effects.vocabulary import (
     CheckHeader,
     Communicator,
     CopyHostToDevice,
+    DType,
     Effect,
     EventRef,
     ForgetEvent,
     GatherRows,
+    Op,
     Pack,
     PadColumns,
     RecordEvent,
@@ -74,8 +77,14 @@ class _Instance:
         self.instance = instance
         self.next_seq: dict[int, int] = dict.fromkeys(instance.group, 0)  # per member
         self.posts: dict[int, dict[int, PostedCollective]] = {}  # seq -> member -> post
-        self.signatures: dict[int, dict[int, CollectiveSignature]] = {}  # the same, declared
+        # seq -> member -> its signature's fields as a tuple (see `_signature_key`)
+        self.keys: dict[int, dict[int, _SignatureKey]] = {}
         self.completed = 0  # ops completed, in order
+
+    def signatures(self, seq: int) -> dict[int, CollectiveSignature]:
+        """Op `seq`'s declared signatures, member -> signature, in posting order."""
+        posts = self.posts[seq]
+        return {rank: signature_of(posts[rank].effect) for rank in self.keys[seq]}
 
     def awaited(self, seq: int) -> AwaitedCollective:
         posts = self.posts[seq]
@@ -108,33 +117,61 @@ class CollectiveHub:
         self._by_member: dict[tuple[int, Communicator], _Instance] = {}
         self._where: dict[PostedCollective, tuple[_Instance, int]] = {}
         self.completed_ranks: set[int] = set()
+        # Whether every op's posts so far passed `check_posts` (with `compare_steps`),
+        # each from a member of its group: cleared for good otherwise.
+        self._agreed = True
 
     def post(self, posted: PostedCollective, /) -> None:
-        state = self._by_member.get((posted.rank, posted.effect.comm))
+        rank, effect = posted.rank, posted.effect
+        state = self._by_member.get((rank, effect.comm))
         if state is None:
-            key = comm_instance(self._world, posted.rank, posted.effect.comm)
+            key = comm_instance(self._world, rank, effect.comm)
             state = self._instances.get(key)
             if state is None:
                 state = self._instances[key] = _Instance(key)
-            self._by_member[posted.rank, posted.effect.comm] = state
-        key = state.instance
-        seq = state.next_seq[posted.rank]
-        state.next_seq[posted.rank] = seq + 1
-        posts = state.posts.setdefault(seq, {})
-        posts[posted.rank] = posted
+            self._by_member[rank, effect.comm] = state
+            if rank not in key.group:
+                self._agreed = False  # `check_posts` skips such a post: prove nothing
+        next_seq = state.next_seq
+        seq = next_seq[rank]
+        next_seq[rank] = seq + 1
+        posts = state.posts.get(seq)
+        if posts is None:
+            posts = state.posts[seq] = {}
+            keys = state.keys[seq] = {}
+        else:
+            keys = state.keys[seq]
+        posts[rank] = posted
         self._where[posted] = (state, seq)
-        signatures = state.signatures.setdefault(seq, {})
-        signature = signatures[posted.rank] = signature_of(posted.effect)
-        if self._compare_steps and len(signatures) > 1:
-            checked = next(rank for rank in signatures if rank != posted.rank)
-            if signature == signatures[checked]:
-                return  # equal to a post already checked: nothing new can disagree
+        # The signature as plain tuples (see `_signature_key`), cheaper to build and
+        # compare; the signatures themselves are built only when `check_posts` runs.
+        signature = keys[rank] = _signature_key(effect)
         if self._compare_steps:
-            report = check_posts(key, seq, signatures)
+            if len(keys) > 1:
+                first = keys[next(iter(keys))]
+                if signature == first:
+                    return  # equal to a post already checked: nothing new can disagree
+                if self._agreed and signature[0] == first[0]:
+                    # Every op so far passed `check_posts`, from members of its group,
+                    # so this op's posts agree on the compared fields and name a source
+                    # in the group; so does this one (a sender's differs in `op` only).
+                    return
+            else:
+                # The first post of an op (the common case): only its source can be wrong
+                # (`check_posts`' own test for one post, without building the signature).
+                group = state.instance.group
+                src = signature[0][2]
+                if rank in group and (src is None or src in group):
+                    return
+            agreed, self._agreed = self._agreed, False  # until the check comes back clean
+            report = check_posts(state.instance, seq, state.signatures(seq))
+            if report is None:
+                self._agreed = agreed
         else:
             # Compare as the wire does, then report the posts as they were labelled.
+            signatures = state.signatures(seq)
             unlabelled = {rank: attrs.evolve(sig, step=0) for rank, sig in signatures.items()}
-            report = check_posts(key, seq, unlabelled)
+            report = check_posts(state.instance, seq, unlabelled)
             if report is not None:
                 peer = report.peer
                 report = attrs.evolve(
@@ -173,22 +210,44 @@ class CollectiveHub:
         )
 
     def _complete_ready(self, state: _Instance) -> None:
-        group = state.instance.group
+        size = len(state.instance.group)
+        all_posts, where = state.posts, self._where
         while True:
-            posts = state.posts.get(state.completed)
-            if posts is None or len(posts) < len(group):
+            posts = all_posts.get(state.completed)
+            if posts is None or len(posts) < size:
                 return
-            if not all(p.at_head for p in posts.values()):
-                return
+            for p in posts.values():
+                if not p.at_head:
+                    return
             if self._move_data:
                 _move_data(posts)
             for p in posts.values():
                 p.complete()
-                del self._where[p]
+                del where[p]
             self.completed_ranks.update(posts)
-            del state.posts[state.completed]
-            del state.signatures[state.completed]
+            del all_posts[state.completed]
+            del state.keys[state.completed]
             state.completed += 1
+
+
+# The fields `check_posts` compares (step, shape, src, kind, dtype), then the rest of a
+# signature (comm, op): the whole is equal exactly when two signatures are.
+_Compared: TypeAlias = tuple[int, tuple[int, ...], int | None, CollectiveKind, DType]
+_SignatureKey: TypeAlias = tuple[_Compared, Communicator, Op]
+
+
+def _signature_key(effect: Broadcast | AllReduce) -> _SignatureKey:
+    """`signature_of(effect)`'s fields as tuples: the compared ones, then the others."""
+    compared: _Compared
+    if isinstance(effect, Broadcast):
+        compared = (effect.step, effect.shape, effect.src, CollectiveKind.BROADCAST, effect.dtype)
+    elif isinstance(effect, AllReduce):
+        # A numpy array's shape is already a tuple of Python ints.
+        shape = effect.contribution.shape
+        compared = (effect.step, shape, None, CollectiveKind.ALL_REDUCE, DType.INT32)
+    else:
+        assert_never(effect)
+    return (compared, effect.comm, effect.op)
 
 
 def _move_data(posts: dict[int, PostedCollective]) -> None:
@@ -279,6 +338,7 @@ class StreamLanes:
         self._hub = hub
         self._queues: dict[Stream, deque[_Queued]] = {stream: deque() for stream in Stream}
         self._main = self._queues[Stream.MAIN]  # the host waits while this is not empty
+        self._lanes = tuple(self._queues.items())  # what `advance` walks, in stream order
         self._issued: dict[Stream, int] = dict.fromkeys(Stream, 0)
         self._ran: dict[Stream, int] = dict.fromkeys(Stream, 0)
         self._events: dict[EventRef, tuple[Stream, int]] = {}
@@ -296,38 +356,49 @@ class StreamLanes:
 
     def issue(self, effect: Effect) -> None:
         """Queue `effect` on its stream and run whatever can run."""
+        # The cases in order of how often a log holds them (no effect class is another's
+        # subclass, so the order cannot change which case matches); a collective or a
+        # wait is always queued, so `_queue`'s shortcut for a local effect is left out.
         match effect:
-            case WaitStream():
-                self._queue(effect.stream, _Wait(effect, effect.waits_for, self._target(effect)))
-            case Synchronize():
-                # The host waits for everything queued so far on the stream.
-                self._queue(Stream.MAIN, _Wait(effect, effect.stream, self._issued[effect.stream]))
-            case RecordEvent():
-                self._events[effect.event] = (effect.stream, self._issued[effect.stream])
-            case WaitEvent():
-                mark = self._events.pop(effect.event, None)
-                if mark is not None:
-                    self._queue(effect.stream, _Wait(effect, mark[0], mark[1]))
-            case ForgetEvent():
-                self._events.pop(effect.event, None)
             case Broadcast():
                 posted = PostedCollective(self.rank, effect, _NO_DATA)
                 self._hub.post(posted)
-                self._queue(effect.stream, _Collective(effect, posted))
+                self._issued[effect.stream] += 1
+                self._queues[effect.stream].append(_Collective(effect, posted))
+            case WaitStream():
+                target = self._issued[effect.waits_for]
+                self._issued[effect.stream] += 1
+                self._queues[effect.stream].append(_Wait(effect, effect.waits_for, target))
             case AllReduce():
                 posted = PostedCollective(self.rank, effect, _NO_DATA)
                 self._hub.post(posted)
                 if effect.work is None:
-                    self._queue(Stream.MAIN, _Collective(effect, posted))
+                    self._issued[Stream.MAIN] += 1
+                    self._main.append(_Collective(effect, posted))
                 else:
                     # Runs on the CPU group's own thread: never behind a stream.
                     self._works[effect.work] = posted
                     posted.at_head = True
                     self._hub.reach_head(posted)
+            case RecordEvent():
+                self._events[effect.event] = (effect.stream, self._issued[effect.stream])
+            case WaitEvent():
+                mark = self._events.pop(effect.event, None)
+                if mark is not None:
+                    self._issued[effect.stream] += 1
+                    self._queues[effect.stream].append(_Wait(effect, mark[0], mark[1]))
+            case ForgetEvent():
+                self._events.pop(effect.event, None)
+            case Synchronize():
+                # The host waits for everything queued so far on the stream.
+                target = self._issued[effect.stream]
+                self._issued[Stream.MAIN] += 1
+                self._main.append(_Wait(effect, effect.stream, target))
             case WaitWork():
                 awaited = self._works.pop(effect.work, None)
                 if awaited is not None:
-                    self._queue(Stream.MAIN, _HostWaitsWork(effect, awaited))
+                    self._issued[Stream.MAIN] += 1
+                    self._main.append(_HostWaitsWork(effect, awaited))
             case (
                 Allocate()
                 | CopyHostToDevice()
@@ -348,14 +419,30 @@ class StreamLanes:
 
     def advance(self) -> bool:
         """Run every queued effect that can run now; whether anything ran."""
+        # Whether a head may run is decided inline, not in a call per head: this runs
+        # after every record the checker replays.
         progressed = False
-        moved = any(self._queues.values())
+        moved = True
+        ran, hub = self._ran, self._hub
         while moved:
             moved = False
-            for stream, queue in self._queues.items():
-                while queue and self._runs(queue[0]):
+            for stream, queue in self._lanes:
+                while queue:
+                    item = queue[0]
+                    if isinstance(item, _Collective):
+                        posted = item.posted
+                        if not posted.at_head:
+                            posted.at_head = True
+                            hub.reach_head(posted)
+                        if not posted.done:
+                            break
+                    elif isinstance(item, _Wait):
+                        if ran[item.on] < item.target:
+                            break
+                    elif isinstance(item, _HostWaitsWork) and not item.posted.done:
+                        break
                     queue.popleft()
-                    self._ran[stream] += 1
+                    ran[stream] += 1
                     moved = progressed = True
         return progressed
 
@@ -373,9 +460,6 @@ class StreamLanes:
         queue = self._queues[Stream.MAIN]
         return queue[0].effect.step if queue else None
 
-    def _target(self, effect: WaitStream) -> int:
-        return self._issued[effect.waits_for]
-
     def _queue(self, stream: Stream, item: _Queued) -> None:
         self._issued[stream] += 1
         queue = self._queues[stream]
@@ -384,22 +468,6 @@ class StreamLanes:
             self._ran[stream] += 1
             return
         queue.append(item)
-
-    def _runs(self, item: _Queued) -> bool:
-        match item:
-            case _Run():
-                return True
-            case _Collective():
-                if not item.posted.at_head:
-                    item.posted.at_head = True
-                    self._hub.reach_head(item.posted)
-                return item.posted.done
-            case _Wait():
-                return self._ran[item.on] >= item.target
-            case _HostWaitsWork():
-                return item.posted.done
-            case _:
-                assert_never(item)
 
     def _culprit(self, stream: Stream, seen: frozenset[Stream]) -> PostedCollective | None:
         queue = self._queues[stream]
