@@ -77,7 +77,7 @@ class _Instance:
         self.instance = instance
         self.next_seq: dict[int, int] = dict.fromkeys(instance.group, 0)  # per member
         self.posts: dict[int, dict[int, PostedCollective]] = {}  # seq -> member -> post
-        # seq -> member -> its signature's fields as a tuple (see `_signature_key`)
+        # seq -> member -> its signature's fields as tuples (see `_signature_key`)
         self.keys: dict[int, dict[int, _SignatureKey]] = {}
         self.completed = 0  # ops completed, in order
 
@@ -441,6 +441,7 @@ class StreamLanes:
                             break
                     elif isinstance(item, _HostWaitsWork) and not item.posted.done:
                         break
+                    # (a `_Run` always runs at the head)
                     queue.popleft()
                     ran[stream] += 1
                     moved = progressed = True
