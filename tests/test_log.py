@@ -959,3 +959,22 @@ def test_lines_that_differ_in_an_enum_values_digits_are_read_as_written(tmp_path
     dump_log(log, tmp_path / "rank.jsonl")
     scanned = LogStream(tmp_path / "rank.jsonl").scan(frozenset())
     assert [effect for _, _, effect, _ in scanned] == list(log.effects)
+
+
+@pytest.mark.parametrize("wire", ["seed", "packed", "fixed"])
+def test_a_scan_of_a_scripted_run_builds_every_effect_loading_builds(
+    tmp_path: Path, wire: str
+) -> None:
+    # 120 steps cross 9 -> 10 and 99 -> 100: names and numbers change length, so lines
+    # of one template differ in where their fields sit, not only in their digits.
+    from purepp.relay import Wire
+    from purepp.testing import ScheduleConfig, make_schedule, record_scripted_logs
+
+    config = ScheduleConfig(pp=2, dp=2, spec=2, steps=120, seed=3, wire=Wire(wire))
+    for log in record_scripted_logs(make_schedule(config)):
+        path = tmp_path / f"rank-{log.header.rank}.jsonl"
+        dump_log(log, path)
+        scanned = list(LogStream(path).scan(frozenset()))
+        assert [effect for _, _, effect, _ in scanned] == list(log.effects)
+        assert list(load_log(path).effects) == list(log.effects)
+        assert [step for step, _, _, _ in scanned] == [e.step for e in log.effects]
