@@ -444,6 +444,17 @@ def test_broadcast_from_the_only_rank_keeps_the_values(interp: TorchInterpreter)
     assert interp.tensor(A).tolist() == [[5, 6]]
 
 
+def test_broadcasts_are_issued_blocking_as_dist_broadcast_issues_them(
+    interp: TorchInterpreter,
+) -> None:
+    # NCCL runs a blocking call on the current (relay) stream; an asynchronous one goes
+    # through NCCL's own stream, events and tensor stashing, which cost over 100 us of
+    # host time per call on an H200 (benchmarks/relay_floor.py).
+    options = interp.broadcast_options(broadcast(A, (2,), DType.INT64))
+    assert options.asyncOp is False
+    assert options.rootRank == 0
+
+
 @pytest.mark.parametrize(
     ("shape", "dtype"), [((1, 3), DType.INT64), ((2, 1), DType.INT64), ((1, 2), DType.INT32)]
 )
