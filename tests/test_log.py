@@ -866,6 +866,19 @@ def test_a_scan_counts_a_run_of_local_records_of_one_step_as_one_item(tmp_path: 
     ]
 
 
+def edit_a_late_line(path: Path, old: str, new: str, problem: str) -> LogFormatError:
+    """Replace `old` by `new` in the last line that holds it, one read through a template
+    seen earlier; what loading the edited log raises, naming that line and `problem`."""
+    lines = path.read_text().splitlines(keepends=True)
+    edited = next(i for i in range(len(lines) - 1, 0, -1) if old in lines[i])
+    assert edited > 6  # a line after its template was seen
+    lines[edited] = lines[edited].replace(old, new, 1)
+    path.write_text("".join(lines))
+    with pytest.raises(LogFormatError, match=f"line {edited + 1}: .*{problem}") as loading:
+        load_log(path)
+    return loading.value
+
+
 @pytest.mark.parametrize(
     ("old", "new", "problem"),
     [
@@ -886,17 +899,10 @@ def test_a_scan_rejects_what_loading_rejects(
 ) -> None:
     path = tmp_path / "rank.jsonl"
     dump_log(repeated_steps(6), path)
-    lines = path.read_text().splitlines(keepends=True)
-    edited = next(i for i in range(len(lines) - 1, 0, -1) if old in lines[i])
-    assert edited > 6  # a line after its template was seen
-    lines[edited] = lines[edited].replace(old, new, 1)
-    path.write_text("".join(lines))
-
-    with pytest.raises(LogFormatError, match=f"line {edited + 1}: .*{problem}") as loading:
-        load_log(path)
+    loading = edit_a_late_line(path, old, new, problem)
     with pytest.raises(LogFormatError) as scanning:
         scan_all(path)
-    assert str(scanning.value) == str(loading.value)
+    assert str(scanning.value) == str(loading)
 
 
 def local_steps(steps: int) -> EffectLog:
@@ -931,18 +937,11 @@ def test_a_scan_rejects_in_records_it_does_not_build_what_loading_rejects(
 ) -> None:
     path = tmp_path / "rank.jsonl"
     dump_log(local_steps(6), path)
-    lines = path.read_text().splitlines(keepends=True)
-    edited = next(i for i in range(len(lines) - 1, 0, -1) if old in lines[i])
-    assert edited > 6  # a line after its template was seen
-    lines[edited] = lines[edited].replace(old, new, 1)
-    path.write_text("".join(lines))
-
-    with pytest.raises(LogFormatError, match=f"line {edited + 1}: .*{problem}") as loading:
-        load_log(path)
+    loading = edit_a_late_line(path, old, new, problem)
     never_built = frozenset({"allocate", "copy_host_to_device", "release"})
     with pytest.raises(LogFormatError) as scanning:
         list(LogStream(path).scan(never_built))
-    assert str(scanning.value) == str(loading.value)
+    assert str(scanning.value) == str(loading)
 
 
 def test_lines_that_differ_in_an_enum_values_digits_are_read_as_written(tmp_path: Path) -> None:

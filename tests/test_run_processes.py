@@ -23,11 +23,11 @@ import pytest
 from purepp.runner.exit_codes import Exit, interrupted
 from purepp.runner.progress import KILL_RANK_ENV, STOP_RANK_ENV, STUCK_RANK_ENV
 from purepp.runner.supervise import LOCK_FILE
+from tests._processes import MARK, marked_processes
 
 pytestmark = pytest.mark.multiprocess
 
 PUREPP = [sys.executable, "-m", "purepp.runner.cli"]
-MARK = "PUREPP_TEST_MARK"
 SMALL = ["--pp", "2", "--dp", "1", "--requests", "4"]
 LONG = ["--pp", "2", "--dp", "1", "--steps", "1000000"]
 
@@ -49,19 +49,7 @@ class Run:
 
     def processes(self) -> list[int]:
         """Live processes carrying this run's marker (the launcher and its ranks)."""
-        found = []
-        needle = f"{MARK}={self.mark}".encode()
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                environ = (entry / "environ").read_bytes()
-                state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
-            except OSError:
-                continue
-            if needle in environ.split(b"\0") and state != "Z":
-                found.append(int(entry.name))
-        return found
+        return marked_processes(self.mark)
 
     def wait_for_ranks(self, count: int) -> None:
         """Until `count` processes besides the launcher run, and a moment in the loop."""

@@ -33,6 +33,7 @@ from purepp.runner.settings import RunSettings
 from purepp.runner.toy_model import reference_generate
 from purepp.runner.workload import Workload, make_workload
 from tests._dist import RankContext, run_ranks
+from tests._processes import MARK, marked_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -98,24 +99,6 @@ def test_drafts_that_never_reach_earlier_stages_are_caught_by_parity() -> None:
 # -- a launcher killed by SIGKILL ------------------------------------------------------
 
 PUREPP_RUN = [sys.executable, "-m", "purepp.runner.cli", "run"]
-MARK = "PUREPP_TEST_MARK"  # in the launcher's environment, so in its children's too
-
-
-def marked_processes(mark: str) -> list[int]:
-    """Live processes whose environment carries `MARK=mark`."""
-    found = []
-    needle = f"{MARK}={mark}".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
-        except OSError:
-            continue
-        if needle in environ.split(b"\0") and state != "Z":
-            found.append(int(entry.name))
-    return found
 
 
 def test_a_launcher_killed_by_sigkill_leaves_no_process_and_no_temporary_folder(

@@ -349,24 +349,16 @@ def section_views(packed: torch.Tensor, sections: Sequence[Section]) -> list[tor
         if flat is None or misaligned or start + math.prod(shape) > flat.numel():
             views.append(section_view(packed, section))  # the general way (or its error)
             continue
-        strides = _CONTIGUOUS_STRIDES.get(shape) or _contiguous_strides(shape)
+        strides = (1,) if len(shape) == 1 else _contiguous_strides(shape)
         views.append(flat.as_strided(shape, strides, flat.storage_offset() + start))
     return views
 
 
-_CONTIGUOUS_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}
-
-
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides = []
-    step = 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    made = _CONTIGUOUS_STRIDES[shape] = tuple(reversed(strides))
-    if len(_CONTIGUOUS_STRIDES) > 4096:  # shapes vary with the batch: keep the memo small
-        _CONTIGUOUS_STRIDES.clear()
-    return made
+    strides = [1]
+    for size in reversed(shape[1:]):
+        strides.append(strides[-1] * size)
+    return tuple(reversed(strides))
 
 
 def pack(out: torch.Tensor, sections: Iterable[tuple[Section, torch.Tensor]]) -> None:
