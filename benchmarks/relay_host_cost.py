@@ -11,8 +11,10 @@ Contenders, run in interleaved rounds on the same schedule:
 - `seed_noop`: the seed's logic with every torch/dist call a no-op (host logic alone).
 
 Ratios: eager, checked, plan and captured against `seed`; `pure` against `seed_noop`.
-Every purepp call goes through one adapter, `PureppRelay`; interpreter modes the installed
-interpreter lacks are reported unavailable and skipped.
+Every step, purepp's contenders build their `BatchFacts` from the batch's host arrays, as
+a caller must (the seed reads its input batch directly). Every purepp call goes through
+one adapter, `PureppRelay`; interpreter modes the installed interpreter lacks are
+reported unavailable and skipped.
 
 Cases: both roles (receiver = a non-last stage: consume, free, receive; sender = the last
 stage: free, broadcast sampled, broadcast drafts), n in {8, 64, 256}, spec in {0, 3}, a
@@ -236,11 +238,17 @@ class Case:
         return f"{self.role} n={self.rows} spec={self.spec}{wire}"
 
 
+# A step's idx_mapping, num_computed_tokens, num_scheduled_tokens and prefill_len.
+BatchArrays = tuple[
+    npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]
+]
+
+
 @dataclass
 class Inputs:
     """A cycle of step inputs, built before timing and shared by every contender."""
 
-    facts: list[BatchFacts]  # purepp's batch facts
+    arrays: list[BatchArrays]  # the batch's host arrays, from which purepp builds its facts
     seed_batches: list[SeedBatch]  # the seed's InputBatch slice, over the same tensors
     noop_batches: list[SeedBatch]  # the same with placeholder tensors
     idx: list[torch.Tensor]  # device [n] int32 slot mappings
@@ -263,14 +271,7 @@ def build_inputs(case: Case, slots: int, device: torch.device) -> Inputs:
         scheduled = ones * (1 + case.spec)
         prefill = np.full(n, 4, dtype=np.int32)
         idx = torch.from_numpy(idx_np.copy()).to(device)
-        out.facts.append(
-            BatchFacts(
-                idx_mapping=idx_np,
-                num_computed_tokens=computed,
-                num_scheduled_tokens=scheduled,
-                prefill_len=prefill,
-            )
-        )
+        out.arrays.append((idx_np, computed, scheduled, prefill))
         out.seed_batches.append(SeedBatch(n, idx, idx_np, computed, scheduled, prefill))
         out.noop_batches.append(
             SeedBatch(n, placeholder((n,), torch.int32), idx_np, computed, scheduled, prefill)
@@ -325,8 +326,19 @@ def seed_runner(
     return run_sender
 
 
+def facts_of(arrays: BatchArrays) -> BatchFacts:
+    """What a caller builds every step from its input batch (the seed reads the batch)."""
+    idx_mapping, computed, scheduled, prefill = arrays
+    return BatchFacts(
+        idx_mapping=idx_mapping,
+        num_computed_tokens=computed,
+        num_scheduled_tokens=scheduled,
+        prefill_len=prefill,
+    )
+
+
 def purepp_runner(case: Case, inputs: Inputs, relay: PureppRelay) -> Runner:
-    facts, idx = inputs.facts, inputs.idx
+    arrays, idx = inputs.arrays, inputs.idx
     freed = [(slot,) for slot in inputs.freed]
     if case.role == "receiver":
 
@@ -336,7 +348,7 @@ def purepp_runner(case: Case, inputs: Inputs, relay: PureppRelay) -> Runner:
                 relay.consume()
                 if i % FREE_EVERY == 0:
                     relay.free(freed[j])
-                relay.receive(facts[j], idx[j])
+                relay.receive(facts_of(arrays[j]), idx[j])
                 relay.end()
 
         return run_receiver
@@ -348,7 +360,7 @@ def purepp_runner(case: Case, inputs: Inputs, relay: PureppRelay) -> Runner:
             j = i % CYCLE
             if i % FREE_EVERY == 0:
                 relay.free(freed[j])
-            relay.send(facts[j], idx[j], sampled[j], num_sampled[j], num_rejected[j])
+            relay.send(facts_of(arrays[j]), idx[j], sampled[j], num_sampled[j], num_rejected[j])
             relay.end()
 
     return run_sender

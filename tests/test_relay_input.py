@@ -26,7 +26,7 @@ from purepp.effects.io import NumpyIO
 from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.simulator import RankContext, simulate
 from purepp.effects.vocabulary import BufferRef, DType, Effect, EventRef, TensorSpec
-from purepp.errors import PureppError
+from purepp.errors import InvalidInputError, PureppError
 from purepp.layout import Layout
 from purepp.rank import (
     RankConfig,
@@ -564,3 +564,44 @@ def test_batch_facts_derive_the_mask_summary_and_the_largest_slot_from_their_arr
         assert batch.sampled_mask.tolist() == samples
     else:
         assert batch.sampled_mask is None
+
+
+@pytest.mark.parametrize("field", range(4))
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_batch_facts_name_the_array_that_holds_a_negative_value(field: int, dtype: type) -> None:
+    names = ["idx_mapping", "num_computed_tokens", "num_scheduled_tokens", "prefill_len"]
+    arrays: list[npt.NDArray[Any]] = [np.array([1, 3, 5], dtype) for _ in names]
+    arrays[field][1] = -2
+    with pytest.raises(InvalidInputError, match=rf"^BatchFacts: {names[field]}=\[1, -2, 5\] holds"):
+        BatchFacts(**dict(zip(names, arrays, strict=True)))
+
+
+def test_batch_facts_name_a_repeated_slot_and_a_short_array() -> None:
+    with pytest.raises(InvalidInputError, match="several rows to slot 4"):
+        BatchFacts(
+            idx_mapping=[9, 4, 1, 4],
+            num_computed_tokens=[0] * 4,
+            num_scheduled_tokens=[1] * 4,
+            prefill_len=[1] * 4,
+        )
+    with pytest.raises(InvalidInputError, match="prefill_len has 3 entries but idx_mapping has 4"):
+        BatchFacts(
+            idx_mapping=[9, 4, 1, 2],
+            num_computed_tokens=[0] * 4,
+            num_scheduled_tokens=[1] * 4,
+            prefill_len=[1] * 3,
+        )
+
+
+def test_batch_facts_near_the_int32_limit_do_not_wrap() -> None:
+    # computed + scheduled overflows int32; the mask must still say the row samples.
+    top = 2**31 - 1
+    facts = BatchFacts(
+        idx_mapping=[0, 1],
+        num_computed_tokens=[top, 0],
+        num_scheduled_tokens=[top, 0],
+        prefill_len=[top, top],
+    )
+    assert facts.sampled_mask is not None
+    assert facts.sampled_mask.tolist() == [True, False]
+    assert not facts.all_sampled
