@@ -333,7 +333,10 @@ class PendingReceive:
     # rows that produced a token (None: none did; only the fixed wire posts such a step)
     need_sampled: BoolArray | None = attrs.field(eq=ARRAY_EQ)
     all_sampled: bool  # every row produced a token: consume skips no row for the mask
-    generations: IntArray = attrs.field(eq=ARRAY_EQ)  # slot generations when received
+    # The state's per-slot generations when received: the whole immutable table, shared,
+    # not copied. Every free replaces the table, so the same table at consume means no
+    # slot was freed since, and only otherwise are the rows' generations compared.
+    generations_at_receive: IntArray = attrs.field(eq=ARRAY_EQ)
     rows: int  # wire rows: the batch's, or its bucket on the fixed wire
 
 
@@ -632,8 +635,7 @@ def _pending(
         idx_mapping_np=batch.idx_mapping,
         need_sampled=mask,
         all_sampled=batch.all_sampled,
-        # Snapshot, so a free of any of these slots before consume is detectable.
-        generations=frozen(state.generations[batch.idx_mapping]),
+        generations_at_receive=state.generations,
         rows=rows,
     )
 
@@ -822,14 +824,18 @@ def consume_previous_step(
     released = state.to_release + oldest.buffers
     slots = oldest.idx_mapping_np
     n = slots.shape[0]
-    exclude = state.generations[slots] != oldest.generations
+    # Rows to drop: freed since the receive, or that produced no token. None: no row.
+    exclude: BoolArray | None = None
+    then = oldest.generations_at_receive
+    if state.generations is not then:  # some slot was freed since (frees replace the table)
+        exclude = state.generations[slots] != then[slots]
     if oldest.need_sampled is None:
-        exclude[:] = True
+        exclude = np.ones(n, dtype=np.bool_)
     elif not oldest.all_sampled:
-        exclude |= ~oldest.need_sampled
-    # The common case (no row dropped) answers `any` alone; an empty batch drops all.
-    dropped = bool(exclude.any())
-    if (dropped or not n) and exclude.all():
+        exclude = ~oldest.need_sampled if exclude is None else exclude | ~oldest.need_sampled
+    # The common case (no free, every row sampled) reads no array at all.
+    dropped = exclude is not None and bool(exclude.any())
+    if not n or (dropped and exclude is not None and exclude.all()):
         # No request wants these tokens any more; nothing waits on the receive, so its
         # event is dropped unwaited (the seed lets the entry be garbage-collected).
         forget = ForgetEvent(step=step, op=op, event=oldest.event)
@@ -848,7 +854,7 @@ def consume_previous_step(
         filtered_rows = True
         # The padding rows of the fixed wire, and the dropped rows, read slot -1.
         filtered = np.full(oldest.rows, -1, dtype=np.int32)
-        filtered[:n] = np.where(exclude, -1, slots)
+        filtered[:n] = slots if exclude is None else np.where(exclude, -1, slots)
         idx_mapping_np = frozen(filtered)
         idx_mapping = BufferRef(f"{config.name}.step{step}.idx_mapping_filtered")
         effects.append(

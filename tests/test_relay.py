@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from purepp.batch import BatchFacts, need_sampled_mask
+from purepp.effects.arrays import frozen
 from purepp.effects.vocabulary import (
     Alias,
     Allocate,
@@ -323,7 +324,9 @@ def test_receive_posts_a_pending_entry_with_a_generation_snapshot() -> None:
     assert entry.idx_mapping_np.tolist() == [5, 0, 2]
     assert entry.need_sampled is not None
     assert entry.need_sampled.tolist() == [True, False, True]
-    assert entry.generations.tolist() == [1, 0, 2]
+    # The state's table itself, shared: a free replaces it, so sharing is a snapshot.
+    assert entry.generations_at_receive is state.generations
+    assert entry.generations_at_receive[entry.idx_mapping_np].tolist() == [1, 0, 2]
     assert got.state.generations.tolist() == state.generations.tolist()
 
 
@@ -900,6 +903,28 @@ def test_slot_freed_at_any_ring_offset_and_reused_at_once_drops_the_stale_token(
         assert got_out.received_at_step == received_at
         a_was_in_the_slot = received_at <= offset
         assert got_out.idx_mapping_np.tolist() == ([-1, 5] if a_was_in_the_slot else [2, 5])
+
+
+@pytest.mark.parametrize("freed", [None, 2, 5])
+def test_a_state_rebuilt_with_an_equal_generations_table_consumes_alike(freed: int | None) -> None:
+    # Consume skips the generation check when the state still holds the very table the
+    # receive saw (frees replace it). A state rebuilt around an equal copy must take the
+    # comparing path and reach the same answer.
+    config = cfg(pp_size=2, spec=1, max_num_reqs=8)
+    state = init_relay(config)
+    state = advance(config, state, batch([2, 5]))[0]
+    if freed is not None:
+        state = free_request_slot(config, state, freed).state
+    state = advance(config, state, batch([3]))[0]
+    rebuilt = attrs.evolve(state, generations=frozen(state.generations.copy()))
+    assert rebuilt.generations is not state.generations
+    ours = consume_previous_step(config, state, update_drafts=True)
+    theirs = consume_previous_step(config, rebuilt, update_drafts=True)
+    assert ours.effects == theirs.effects
+    assert consumed(ours.result).idx_mapping_np.tolist() == [
+        -1 if slot == freed else slot for slot in (2, 5)
+    ]
+    assert ours.result == theirs.result
 
 
 def test_slots_freed_together_reach_every_in_flight_entry() -> None:

@@ -296,7 +296,8 @@ class RelayRingMachine(RuleBasedStateMachine):
                 assert entry.idx_mapping_np.tolist() == expected.idx_mapping.tolist()
                 assert entry.need_sampled is not None
                 assert entry.need_sampled.tolist() == expected.need_sampled.tolist()
-                assert entry.generations.tolist() == expected.generations.tolist()
+                at_receive = entry.generations_at_receive[entry.idx_mapping_np]
+                assert at_receive.tolist() == expected.generations.tolist()
                 assert (entry.draft_tokens is None) == (self.config.num_speculative_steps == 0)
 
     @invariant()
