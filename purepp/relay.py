@@ -428,10 +428,11 @@ def end_step(config: RelayConfig, state: RelayState) -> Step[RelayState, None]:
     step = state.step
     releases = state.to_release
     effects: tuple[Effect, ...] = tuple(
-        Release(step=step, op=Op.END_STEP, buffer=buffer) for buffer in releases
+        [Release(step=step, op=Op.END_STEP, buffer=buffer) for buffer in releases]
     )
-    if len(set(releases)) == len(releases):  # distinct names: the count is the structure
-        effects = KeyedEffects(effects, ("relay.end_step", len(releases)))
+    count = len(releases)
+    if count < 2 or len(set(releases)) == count:  # distinct names: the count is the structure
+        effects = KeyedEffects(effects, ("relay.end_step", count))
     return Step(
         RelayState(step=step + 1, ring=state.ring, generations=state.generations), effects, None
     )
@@ -1062,20 +1063,7 @@ def _send_packed(
         return _packed_broadcast(
             config, step, effects, sections=sections, wire=wire, layout=layout, read=()
         ), tuple(made)
-    sections += [
-        Section(
-            buffer=inputs.sampled_tokens,
-            offset=layout.tokens,
-            shape=(rows, spec + 1),
-            dtype=DType.INT64,
-        ),
-        Section(
-            buffer=inputs.num_sampled, offset=layout.num_sampled, shape=(rows,), dtype=DType.INT32
-        ),
-        Section(
-            buffer=inputs.num_rejected, offset=layout.num_rejected, shape=(rows,), dtype=DType.INT32
-        ),
-    ]
+    sections += _input_sections(config, rows)
     read = [inputs.sampled_tokens, inputs.num_sampled, inputs.num_rejected]
     if spec:
         gathered = BufferRef(f"{config.name}.step{step}.send_draft_tokens")
@@ -1097,6 +1085,27 @@ def _send_packed(
     return _packed_broadcast(
         config, step, effects, sections=sections, wire=wire, layout=layout, read=read
     ), tuple(made)
+
+
+@functools.lru_cache(maxsize=256)
+def _input_sections(config: RelayConfig, rows: int) -> tuple[Section, ...]:
+    """The caller's tokens and counts in a packed send: the same for every step of `rows`."""
+    layout = _packed_layout(rows, config.num_speculative_steps, config.validate_header)
+    inputs = config.inputs
+    return (
+        Section(
+            buffer=inputs.sampled_tokens,
+            offset=layout.tokens,
+            shape=(rows, config.max_sample_len),
+            dtype=DType.INT64,
+        ),
+        Section(
+            buffer=inputs.num_sampled, offset=layout.num_sampled, shape=(rows,), dtype=DType.INT32
+        ),
+        Section(
+            buffer=inputs.num_rejected, offset=layout.num_rejected, shape=(rows,), dtype=DType.INT32
+        ),
+    )
 
 
 def _packed_broadcast(
