@@ -412,7 +412,15 @@ def _check_state(call: str, config: RelayConfig, state: object) -> RelayState:
             call, f"state is {type(state).__name__}", "pass the RelayState returned by init_relay"
         )
     depth = 0 if config.is_last_stage else config.ring_depth
-    if state.generations.shape[0] != config.max_num_reqs or len(state.ring) != depth:
+    generations = state.generations
+    if type(generations) is not np.ndarray or generations.flags.writeable:
+        # Consume trusts an unchanged table object to mean no slot was freed.
+        raise InvalidInputError(
+            call,
+            f"state.generations is a writable {type(generations).__name__}",
+            "build states with init_relay and the relay's steps; never edit one in place",
+        )
+    if generations.shape[0] != config.max_num_reqs or len(state.ring) != depth:
         raise InvalidInputError(
             call,
             f"state has {state.generations.shape[0]} slots and a ring of {len(state.ring)}, "

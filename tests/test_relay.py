@@ -970,3 +970,12 @@ def test_a_request_ending_exactly_at_max_tokens_has_its_last_token_relayed(
             state = free_request_slot(receiver, state, 1).state
         state = end_step(receiver, state).state
     assert applied == list(range(max_tokens))
+
+
+def test_a_state_with_a_writable_generations_table_is_refused() -> None:
+    # Consume reads an unchanged table object as "no slot freed", so a table that can be
+    # edited in place (instead of freed through free_request_slots) must not get in.
+    config = cfg(pp_size=2, max_num_reqs=4)
+    state = attrs.evolve(init_relay(config), generations=np.zeros(4, dtype=np.int32))
+    with pytest.raises(InvalidInputError, match=r"state\.generations is a writable ndarray"):
+        consume_previous_step(config, state)
