@@ -466,24 +466,27 @@ def free_request_slots(
     if not given.size:
         return Step(state, (), None)
     # A float would be truncated and a bool mask read as slots 0/1: both free the wrong slot.
-    if given.dtype == np.bool_ or not np.issubdtype(given.dtype, np.integer):
+    if given.dtype.kind not in "iu":  # bool is kind "b"
         raise InvalidInputError(
             call, f"slots {given.tolist()} are {given.dtype}", "pass integer slot indices"
         )
     indices = given.reshape(-1)
-    bad = indices[(indices < 0) | (indices >= config.max_num_reqs)]
-    if bad.size:
+    values: list[int] = indices.tolist()  # a few slots: builtins beat numpy's reductions
+    if min(values) < 0 or max(values) >= config.max_num_reqs:
+        bad = next(v for v in values if not 0 <= v < config.max_num_reqs)
         raise InvalidInputError(
             call,
-            f"slot {int(bad[0])} is outside 0..{config.max_num_reqs - 1}",
+            f"slot {bad} is outside 0..{config.max_num_reqs - 1}",
             "free only slots below max_num_reqs",
         )
-    generations = state.generations.copy()
-    np.add.at(generations, indices.astype(np.intp), 1)
+    # One count per occurrence (a slot freed twice gains 2); a new table, so consume
+    # sees that something was freed.
+    bumps = np.bincount(indices.astype(np.intp, copy=False), minlength=config.max_num_reqs)
+    generations = (state.generations + bumps).astype(np.int32, copy=False)
     new_state = RelayState(
         step=state.step,
         ring=state.ring,
-        generations=frozen(generations),
+        generations=np.frombuffer(generations.tobytes(), dtype=np.int32),
         to_release=state.to_release,
     )
     return Step(new_state, (), None)
@@ -861,10 +864,11 @@ def consume_previous_step(
     skips = dropped or oldest.rows > n  # -1 marks a dropped row or a fixed-wire padding row
     if idx_mapping is None or dropped:
         filtered_rows = True
-        # The padding rows of the fixed wire, and the dropped rows, read slot -1.
-        filtered = np.full(oldest.rows, -1, dtype=np.int32)
-        filtered[:n] = slots if exclude is None else np.where(exclude, -1, slots)
-        idx_mapping_np = frozen(filtered)
+        # The dropped rows, and the padding rows of the fixed wire, read slot -1 (an
+        # int32 -1 is four 0xff bytes): one immutable copy, built from bytes.
+        kept = slots if exclude is None else np.where(exclude, np.int32(-1), slots)
+        padding = b"\xff" * (4 * (oldest.rows - n))
+        idx_mapping_np = np.frombuffer(kept.tobytes() + padding, dtype=np.int32)
         idx_mapping = BufferRef(f"{config.name}.step{step}.idx_mapping_filtered")
         effects.append(
             CopyHostToDevice(

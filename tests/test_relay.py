@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -181,11 +182,11 @@ def test_free_request_slot_bumps_only_that_slot() -> None:
     assert again.state.generations.tolist() == [0, 0, 2, 0]
 
 
-@pytest.mark.parametrize("as_array", [False, True])
-def test_free_request_slots_bumps_once_per_occurrence(as_array: bool) -> None:
+@pytest.mark.parametrize("dtype", [None, np.int64, np.int32, np.uint64, np.uint8])
+def test_free_request_slots_bumps_once_per_occurrence(dtype: type | None) -> None:
     config = cfg(max_num_reqs=5)
     slots = [1, 3, 1, 4, 1]
-    arg = np.array(slots) if as_array else slots
+    arg: list[int] | npt.NDArray[Any] = slots if dtype is None else np.array(slots, dtype=dtype)
     state = free_request_slots(config, init_relay(config), arg).state
     assert state.generations.tolist() == [0, 3, 0, 1, 1]
     assert free_request_slots(config, state, []).state == state

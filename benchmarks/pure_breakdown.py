@@ -1,0 +1,187 @@
+"""Where a pure relay step's host time goes: each call of one decode step, timed alone.
+
+The pure steps are functions of their arguments, so each call can be repeated on the
+same state and timed by itself: the `BatchFacts` a caller builds, then a receiver's
+consume, free, receive and end_step, or a sender's broadcast_sampled, broadcast_drafts
+(seed wire with speculation) and end_step, in a steady state (the ring full, the consumed
+entry with nothing dropped). Beside them, the seed's whole step with every device call a
+no-op (`seed_noop` of benchmarks/relay_host_cost.py), the figure the pure steps are held
+to. The effects column counts what each call returns; every effect is a frozen value
+built per call, and this table is where to look before optimising a step.
+
+    python -m benchmarks.pure_breakdown [--rows 64] [--calls 20000] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from benchmarks.relay_host_cost import Case, build_inputs, seed_runner
+from benchmarks.seed_relay import SeedRelay, noop_calls, placeholder
+from purepp.batch import BatchFacts
+from purepp.effects.vocabulary import DType, TensorSpec
+from purepp.relay import (
+    RelayConfig,
+    Wire,
+    broadcast_drafts,
+    broadcast_sampled,
+    consume_previous_step,
+    default_buckets,
+    end_step,
+    free_request_slots,
+    init_relay,
+    receive,
+)
+from purepp.step import Step
+
+SLOTS = 256
+WIRES = (Wire.SEED, Wire.PACKED, Wire.FIXED)
+
+
+def timed(call: Callable[[], object], calls: int, rounds: int) -> float:
+    """Median µs per call."""
+    for _ in range(200):
+        call()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times) * 1e6
+
+
+def relay_config(*, sender: bool, spec: int, wire: Wire) -> RelayConfig:
+    return RelayConfig(
+        pp_size=2,
+        stage=1 if sender else 0,
+        last_rank=1,
+        max_num_reqs=SLOTS,
+        num_speculative_steps=spec,
+        wire=wire,
+        buckets=default_buckets(SLOTS) if wire is Wire.FIXED else (),
+    )
+
+
+def step_calls(
+    sender: bool, spec: int, wire: Wire, rows: int
+) -> list[tuple[str, Callable[[], object]]]:
+    """The named calls of one steady decode step, each repeatable on the same arguments."""
+    rng = np.random.default_rng(rows)
+    slots = rng.permutation(SLOTS)[:rows].astype(np.int32)
+    computed = np.full(rows, 10, dtype=np.int32)
+    scheduled = np.full(rows, 1 + spec, dtype=np.int32)
+    prefill = np.full(rows, 4, dtype=np.int32)
+
+    def facts() -> BatchFacts:
+        return BatchFacts(
+            idx_mapping=slots,
+            num_computed_tokens=computed,
+            num_scheduled_tokens=scheduled,
+            prefill_len=prefill,
+        )
+
+    batch = facts()
+    config = relay_config(sender=sender, spec=spec, wire=wire)
+    state = init_relay(config)
+    calls: list[tuple[str, Callable[[], object]]] = [("BatchFacts", facts)]
+    if sender:
+        tokens = TensorSpec(shape=(rows, spec + 1), dtype=DType.INT64)
+        table = TensorSpec(shape=(SLOTS, spec), dtype=DType.INT64)
+        packed_drafts = table if spec and wire is not Wire.SEED else None
+        sent = broadcast_sampled(config, state, batch, tokens, packed_drafts)
+        calls.append(
+            (
+                "broadcast_sampled",
+                lambda: broadcast_sampled(config, state, batch, tokens, packed_drafts),
+            )
+        )
+        after = sent.state
+        if spec and wire is Wire.SEED:
+            sent_state = after
+            calls.append(
+                ("broadcast_drafts", lambda: broadcast_drafts(config, sent_state, batch, table))
+            )
+            after = broadcast_drafts(config, sent_state, batch, table).state
+        ended = after
+        calls.append(("end_step", lambda: end_step(config, ended)))
+        return calls
+    # A receiver in steady state: run whole steps until the ring's oldest entry is full.
+    for _ in range(config.ring_depth):
+        state = consume_previous_step(config, state, update_drafts=spec > 0).state
+        state = end_step(config, receive(config, state, batch).state).state
+    full = state
+    consumed = consume_previous_step(config, full, update_drafts=spec > 0).state
+    received = receive(config, consumed, batch).state
+    freed_slot = (int(slots[0]),)
+    calls += [
+        (
+            "consume_previous_step",
+            lambda: consume_previous_step(config, full, update_drafts=spec > 0),
+        ),
+        ("free_request_slots (1 slot)", lambda: free_request_slots(config, consumed, freed_slot)),
+        ("receive", lambda: receive(config, consumed, batch)),
+        ("end_step", lambda: end_step(config, received)),
+    ]
+    return calls
+
+
+def seed_noop_step(sender: bool, spec: int, rows: int) -> Callable[[], None]:
+    """One step of the seed's logic with every device call a no-op (as relay_host_cost)."""
+    case = Case(role="sender" if sender else "receiver", rows=rows, spec=spec)
+    inputs = build_inputs(case, SLOTS, torch.device("cpu"))
+    relay = SeedRelay(
+        calls=noop_calls(),
+        is_last_rank=sender,
+        last_rank=0,
+        ring_depth=2,
+        max_num_reqs=SLOTS,
+        num_speculative_steps=spec,
+        device=torch.device("cpu"),
+        group=None,
+    )
+    table = placeholder((SLOTS, spec), torch.int64) if spec else None
+    run = seed_runner(case, inputs, relay, table, noop=True)
+    step = [0]
+
+    def one() -> None:
+        run(step[0], 1)
+        step[0] += 1
+
+    return one
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    print(f"pure relay calls, n={args.rows}, median µs per call of {args.rounds} x {args.calls}")
+    print()
+    print("| role | spec | wire | call | µs | effects |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for sender in (False, True):
+        role = "sender" if sender else "receiver"
+        for spec in (0, 3):
+            for wire in WIRES:
+                total = 0.0
+                for name, call in step_calls(sender, spec, wire, args.rows):
+                    micros = timed(call, args.calls, args.rounds)
+                    total += micros
+                    made = call()
+                    effects = str(len(made.effects)) if isinstance(made, Step) else ""
+                    print(f"| {role} | {spec} | {wire.value} | {name} | {micros:.2f} | {effects} |")
+                print(f"| {role} | {spec} | {wire.value} | **sum** | **{total:.2f}** | |")
+            noop = timed(seed_noop_step(sender, spec, args.rows), args.calls, args.rounds)
+            print(f"| {role} | {spec} | | seed_noop: the seed's whole step | {noop:.2f} | |")
+
+
+if __name__ == "__main__":
+    main()
