@@ -9,7 +9,12 @@ no-op (`seed_noop` of benchmarks/relay_host_cost.py), the figure the pure steps 
 to. The effects column counts what each call returns; every effect is a frozen value
 built per call, and this table is where to look before optimising a step.
 
-    python -m benchmarks.pure_breakdown [--rows 64] [--calls 20000] [--rounds 5]
+`--no-effects` measures a bound instead of the library: every effect (and section)
+constructor the relay calls is replaced by a no-op that still takes its keyword
+arguments, which is about what steps that handed back bindings instead of effects would
+still pay. The effects it returns are placeholders; nothing else may run in the process.
+
+    python -m benchmarks.pure_breakdown [--rows 64] [--calls 20000] [--rounds 5] [--no-effects]
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 
 from benchmarks.relay_host_cost import Case, build_inputs, seed_runner
 from benchmarks.seed_relay import SeedRelay, noop_calls, placeholder
+from purepp import relay
 from purepp.batch import BatchFacts
 from purepp.effects.vocabulary import DType, TensorSpec
 from purepp.relay import (
@@ -42,6 +48,47 @@ from purepp.step import Step
 
 SLOTS = 256
 WIRES = (Wire.SEED, Wire.PACKED, Wire.FIXED)
+# Every vocabulary class the relay constructs per step.
+EFFECT_CLASSES = (
+    "Alias",
+    "Allocate",
+    "Broadcast",
+    "CheckHeader",
+    "CopyHostToDevice",
+    "ForgetEvent",
+    "GatherRows",
+    "Pack",
+    "PadColumns",
+    "RecordEvent",
+    "RecordStream",
+    "Release",
+    "ScatterRows",
+    "Section",
+    "StackRows",
+    "Synchronize",
+    "Unpack",
+    "WaitEvent",
+    "WaitStream",
+)
+
+
+class _Placeholder:
+    """What a no-op constructor returns: enough for the relay to read a section's name."""
+
+    buffer = "placeholder"
+
+
+def build_no_effects() -> None:
+    """Replace the relay's effect constructors by no-ops (for `--no-effects` only)."""
+    placeholder_effect = _Placeholder()
+
+    def no_op(**fields: object) -> object:
+        return placeholder_effect
+
+    for name in EFFECT_CLASSES:
+        if hasattr(relay, name):
+            setattr(relay, name, no_op)
+    relay._input_sections.cache_clear()
 
 
 def timed(call: Callable[[], object], calls: int, rounds: int) -> float:
@@ -162,8 +209,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-effects", action="store_true", help="the bound: build no effects")
     args = parser.parse_args()
-    print(f"pure relay calls, n={args.rows}, median µs per call of {args.rounds} x {args.calls}")
+    if args.no_effects:
+        build_no_effects()
+    bound = " (--no-effects: effect constructors are no-ops)" if args.no_effects else ""
+    timing = f"median µs per call of {args.rounds} x {args.calls}"
+    print(f"pure relay calls, n={args.rows}, {timing}{bound}")
     print()
     print("| role | spec | wire | call | µs | effects |")
     print("| --- | --- | --- | --- | --- | --- |")
