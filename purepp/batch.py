@@ -8,7 +8,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray, frozen
+from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray
 from purepp.errors import InvalidInputError
 
 __all__ = ["BatchFacts", "need_sampled_mask"]
@@ -106,7 +106,7 @@ class BatchFacts:
         ordered = slots.copy()
         ordered.sort()
         repeated = ordered[1:] == ordered[:-1]
-        if repeated.any():
+        if np.count_nonzero(repeated):
             raise InvalidInputError(
                 "BatchFacts",
                 f"idx_mapping maps several rows to slot {int(ordered[1:][repeated][0])}",
@@ -116,7 +116,7 @@ class BatchFacts:
         # value is >= 0, so prefill - scheduled stays inside int32.
         mask = computed >= prefill - scheduled
         sampling = int(np.count_nonzero(mask))
-        sampled = frozen(mask) if sampling else None
+        sampled = np.frombuffer(mask.tobytes(), dtype=np.bool_) if sampling else None
         self.__attrs_init__(
             slots,
             computed,
