@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session: GPU tests, relay host cost (every wire), the floors of single
-# calls (relay_floor), DP agreement and overlap on the host CPU, memory flatness, and an
+# calls (relay_floor), the pure calls of a step on the host (pure_breakdown), DP agreement and overlap on the host CPU, memory flatness, and an
 # NCCL `purepp run` + `purepp check`.
 # Run from the repository root with OUT set to a results folder.
 set -uo pipefail
@@ -11,6 +11,7 @@ timeout 330 python3 -m benchmarks.relay_host_cost --device cuda --steps 300 --ro
     --wire seed packed fixed --json "$OUT/relay_cuda.json" > "$OUT/relay_cuda.md" 2>&1
 grep -A80 "host us/step" "$OUT/relay_cuda.md" | head -60
 timeout 60 python3 -m benchmarks.relay_floor --device cuda --calls 500 --rounds 3 2>&1 | tee "$OUT/relay_floor.md" | tail -22
+timeout 120 python3 -m benchmarks.pure_breakdown --calls 5000 --rounds 3 2>&1 | tee "$OUT/pure_breakdown.md" | grep -E "sum|seed_noop"
 timeout 120 python3 -m benchmarks.dp_agreement --rounds 7 --iters 1000 2>&1 | tee "$OUT/dp_agreement.txt" | tail -12
 timeout 120 python3 -m benchmarks.dp_agreement --rounds 7 --iters 1000 --no-collective 2>&1 | tee "$OUT/dp_agreement_pure.txt" | tail -12
 timeout 150 python3 benchmarks/dp_overlap.py --steps 300 --forward spin 2>&1 | tee "$OUT/dp_overlap.txt" | tail -12
