@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One batched H200 session: GPU tests, relay host cost (every wire), the floors of single
-# calls (relay_floor), the pure calls of a step on the host (pure_breakdown), DP agreement and overlap on the host CPU, memory flatness, and an
-# NCCL `purepp run` + `purepp check`.
+# calls (relay_floor), the pure calls of a step on the host (pure_breakdown), DP
+# agreement and overlap on the host CPU, memory flatness, and an NCCL `purepp run` +
+# `purepp check`.
 # Run from the repository root with OUT set to a results folder.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:."
