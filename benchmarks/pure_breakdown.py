@@ -20,18 +20,18 @@ still pay. The effects it returns are placeholders; nothing else may run in the 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import typing
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from benchmarks.relay_floor import timed
 from benchmarks.relay_host_cost import Case, build_inputs, seed_runner
 from benchmarks.seed_relay import SeedRelay, noop_calls, placeholder
 from purepp import relay
 from purepp.batch import BatchFacts
-from purepp.effects.vocabulary import DType, TensorSpec
+from purepp.effects.vocabulary import DType, Effect, Section, TensorSpec
 from purepp.relay import (
     RelayConfig,
     Wire,
@@ -48,28 +48,6 @@ from purepp.step import Step
 
 SLOTS = 256
 WIRES = (Wire.SEED, Wire.PACKED, Wire.FIXED)
-# Every vocabulary class the relay constructs per step.
-EFFECT_CLASSES = (
-    "Alias",
-    "Allocate",
-    "Broadcast",
-    "CheckHeader",
-    "CopyHostToDevice",
-    "ForgetEvent",
-    "GatherRows",
-    "Pack",
-    "PadColumns",
-    "RecordEvent",
-    "RecordStream",
-    "Release",
-    "ScatterRows",
-    "Section",
-    "StackRows",
-    "Synchronize",
-    "Unpack",
-    "WaitEvent",
-    "WaitStream",
-)
 
 
 class _Placeholder:
@@ -85,23 +63,15 @@ def build_no_effects() -> None:
     def no_op(**fields: object) -> object:
         return placeholder_effect
 
-    for name in EFFECT_CLASSES:
-        if hasattr(relay, name):
-            setattr(relay, name, no_op)
+    # Every effect kind of the vocabulary, and the sections of Pack and Unpack.
+    for cls in (*typing.get_args(Effect), Section):
+        if hasattr(relay, cls.__name__):
+            setattr(relay, cls.__name__, no_op)
     relay._input_sections.cache_clear()
 
 
-def timed(call: Callable[[], object], calls: int, rounds: int) -> float:
-    """Median µs per call."""
-    for _ in range(200):
-        call()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times) * 1e6
+def _no_sync() -> None:
+    """Pure calls queue no device work: nothing to wait for between rounds."""
 
 
 def relay_config(*, sender: bool, spec: int, wire: Wire) -> RelayConfig:
@@ -225,13 +195,13 @@ def main() -> None:
             for wire in WIRES:
                 total = 0.0
                 for name, call in step_calls(sender, spec, wire, args.rows):
-                    micros = timed(call, args.calls, args.rounds)
+                    micros = timed(call, args.calls, args.rounds, _no_sync)
                     total += micros
                     made = call()
                     effects = str(len(made.effects)) if isinstance(made, Step) else ""
                     print(f"| {role} | {spec} | {wire.value} | {name} | {micros:.2f} | {effects} |")
                 print(f"| {role} | {spec} | {wire.value} | **sum** | **{total:.2f}** | |")
-            noop = timed(seed_noop_step(sender, spec, args.rows), args.calls, args.rounds)
+            noop = timed(seed_noop_step(sender, spec, args.rows), args.calls, args.rounds, _no_sync)
             print(f"| {role} | {spec} | | seed_noop: the seed's whole step | {noop:.2f} | |")
 
 
