@@ -12,7 +12,7 @@ timeout 330 python3 -m benchmarks.relay_host_cost --device cuda --steps 300 --ro
     --wire seed packed fixed --json "$OUT/relay_cuda.json" > "$OUT/relay_cuda.md" 2>&1
 grep -A80 "host us/step" "$OUT/relay_cuda.md" | head -60
 timeout 60 python3 -m benchmarks.relay_floor --device cuda --calls 500 --rounds 3 2>&1 | tee "$OUT/relay_floor.md" | tail -22
-timeout 120 python3 -m benchmarks.pure_breakdown --calls 5000 --rounds 3 2>&1 | tee "$OUT/pure_breakdown.md" | grep -E "sum|seed_noop"
+timeout 120 python3 -m benchmarks.pure_breakdown --calls 5000 --rounds 3 2>&1 | tee "$OUT/pure_breakdown.md" | grep -E "step \(|seed_noop"
 timeout 120 python3 -m benchmarks.dp_agreement --rounds 7 --iters 1000 2>&1 | tee "$OUT/dp_agreement.txt" | tail -12
 timeout 120 python3 -m benchmarks.dp_agreement --rounds 7 --iters 1000 --no-collective 2>&1 | tee "$OUT/dp_agreement_pure.txt" | tail -12
 timeout 150 python3 benchmarks/dp_overlap.py --steps 300 --forward spin 2>&1 | tee "$OUT/dp_overlap.txt" | tail -12
