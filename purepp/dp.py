@@ -60,8 +60,10 @@ Departures from the code the seed and the newest vLLM run (all on purpose):
 from __future__ import annotations
 
 import enum
+import functools
+import struct
 from collections.abc import Iterable, Sequence
-from typing import Any, TypeAlias, cast
+from typing import Any, TypeAlias, TypeVar, cast
 
 import attrs
 import numpy as np
@@ -127,6 +129,19 @@ TABLE_ROWS = 5  # rows of the seed's layout
 
 _new = object.__new__
 _set = object.__setattr__
+_INT32 = np.dtype(np.int32)
+
+_S = TypeVar("_S")
+_R = TypeVar("_R")
+
+
+def _step(state: _S, effects: tuple[Effect, ...], result: _R) -> Step[_S, _R]:
+    """A Step built without its keyword `__init__` (Step has no checks to skip)."""
+    out: Step[_S, _R] = _new(Step)
+    _set(out, "state", state)
+    _set(out, "effects", effects)
+    _set(out, "result", result)
+    return out
 
 
 class LaneBusyError(PureppError):
@@ -387,6 +402,14 @@ class DispatchOutcome:
     sync: DPSyncState | None  # None with a single rank or when no rank had work
 
 
+def _outcome(descriptor: BatchExecutionDescriptor, sync: DPSyncState | None) -> DispatchOutcome:
+    """A DispatchOutcome from values the library built (it has no checks to skip)."""
+    out = _new(DispatchOutcome)
+    _set(out, "descriptor", descriptor)
+    _set(out, "sync", sync)
+    return out
+
+
 def _check_batch(instance: RankBatch) -> None:
     call = "RankBatch"
     fields: Any = instance  # caller input: any type may arrive, whatever the annotations say
@@ -499,6 +522,8 @@ class AgreementLanes:
 def _lanes(target: int | None, drafter: int | None) -> AgreementLanes:
     """Lanes from steps the library checked (no constructor checks: a start and a finish
     build one each)."""
+    if target is None and drafter is None:
+        return _IDLE_LANES  # the common free lanes: frozen, so one value is shared
     out = object.__new__(AgreementLanes)
     object.__setattr__(out, "target", target)
     object.__setattr__(out, "drafter", drafter)
@@ -547,15 +572,20 @@ def _check_start(
     asynchronous: Any,
 ) -> None:
     call = "start_agreement"
-    for name, value, cls in (
-        ("lanes", lanes, AgreementLanes),
-        ("group", group, AgreementGroup),
-        ("batch", batch, RankBatch),
-    ):
-        if type(value) is not cls:
-            raise InvalidInputError(
-                call, f"{name}={value!r} is not an {cls.__name__}", f"pass an {cls.__name__}"
-            )
+    if (
+        type(lanes) is not AgreementLanes
+        or type(group) is not AgreementGroup
+        or type(batch) is not RankBatch
+    ):  # the loop names the first wrong one; the test above spares building its tuples
+        for name, value, cls in (
+            ("lanes", lanes, AgreementLanes),
+            ("group", group, AgreementGroup),
+            ("batch", batch, RankBatch),
+        ):
+            if type(value) is not cls:
+                raise InvalidInputError(
+                    call, f"{name}={value!r} is not an {cls.__name__}", f"pass an {cls.__name__}"
+                )
     if type(step) is not int:
         check_int(call, "step", step, 0, fix="pass the decode step as an int >= 0")
     if step < 0:
@@ -663,11 +693,11 @@ def start_agreement(
     busy = _lanes(step, lanes.drafter) if lane is Lane.TARGET else _lanes(lanes.target, step)
     decided: DispatchOutcome | None = None
     if group.dp_size == 1:
-        decided = DispatchOutcome(descriptor=desired, sync=None)
+        decided = _outcome(desired, None)
     elif batch.dp_sync is not None:
         decided = _reuse(batch.dp_sync, desired, batch.num_tokens)
     if decided is not None:
-        pending = PendingAgreement(
+        pending = _pending(
             step=step,
             lane=lane,
             group=group,
@@ -675,23 +705,17 @@ def start_agreement(
             dispatcher=dispatcher,
             desired=desired,
             decided=decided,
-            table=None,
-            work=None,
-            contribution=None,
-            own=(),
-            release=(),
         )
-        return Step(state=busy, effects=(), result=pending)
+        return _step(busy, (), pending)
     own = _column(group, batch, desired)
-    shape = (group.layout.rows, group.dp_size)
-    table = np.zeros(shape, dtype=np.int32)
-    table[:, group.dp_rank] = own
-    # A view of bytes: immutable all the way down, so the AllReduce takes it as it is.
-    contribution: IntArray = np.frombuffer(table.tobytes(), dtype=np.int32).reshape(shape)
+    # This rank's column packed into zeros: the bytes of the table, immutable all the
+    # way down, so the AllReduce takes the array as it is.
+    packed = _contribution_packer(group.layout.rows, group.dp_size, group.dp_rank).pack(*own)
+    contribution: IntArray = np.ndarray((group.layout.rows, group.dp_size), _INT32, packed)
     prefix = f"dp.{lane.value}.step{step}"
     table_ref = BufferRef(f"{prefix}.table")
     work = WorkRef(f"{prefix}.work") if asynchronous else None
-    pending = PendingAgreement(
+    pending = _pending(
         step=step,
         lane=lane,
         group=group,
@@ -703,7 +727,7 @@ def start_agreement(
         work=work,
         contribution=contribution,
         own=own,
-        release=(Release(step=step, op=Op.AGREE, buffer=table_ref),),
+        release=(_release(step, table_ref),),
     )
     # Built without AllReduce's converter: the contribution is frozen int32 already.
     all_reduce = _new(AllReduce)
@@ -713,7 +737,61 @@ def start_agreement(
     _set(all_reduce, "result", table_ref)
     _set(all_reduce, "comm", group.comm_of(lane))
     _set(all_reduce, "work", work)
-    return Step(state=busy, effects=(all_reduce,), result=pending)
+    return _step(busy, (all_reduce,), pending)
+
+
+@functools.lru_cache(maxsize=256)
+def _contribution_packer(rows: int, dp_size: int, dp_rank: int) -> struct.Struct:
+    """Packs a column into the bytes of a [rows, dp_size] int32 table, zeros elsewhere.
+
+    One C call in place of zeros, a column write and a copy to bytes. Native byte order
+    with standard sizes, as numpy's int32; the column's values fit int32 (checked).
+    """
+    row = f"{dp_rank * 4}xi{(dp_size - dp_rank - 1) * 4}x"
+    return struct.Struct("=" + row * rows)
+
+
+def _pending(
+    *,
+    step: int,
+    lane: Lane,
+    group: AgreementGroup,
+    batch: RankBatch,
+    dispatcher: Dispatcher | None,
+    desired: BatchExecutionDescriptor,
+    decided: DispatchOutcome | None,
+    table: BufferRef | None = None,
+    work: WorkRef | None = None,
+    contribution: IntArray | None = None,
+    own: tuple[int, ...] = (),
+    release: tuple[Effect, ...] = (),
+) -> PendingAgreement:
+    """A PendingAgreement from checked values (it has no checks; its keyword `__init__`
+    costs more than the fields). The defaults are a start decided at once."""
+    out = _new(PendingAgreement)
+    _set(out, "step", step)
+    _set(out, "lane", lane)
+    _set(out, "group", group)
+    _set(out, "batch", batch)
+    _set(out, "dispatcher", dispatcher)
+    _set(out, "desired", desired)
+    _set(out, "decided", decided)
+    _set(out, "table", table)
+    _set(out, "work", work)
+    _set(out, "contribution", contribution)
+    _set(out, "own", own)
+    _set(out, "release", release)
+    return out
+
+
+def _release(step: int, buffer: BufferRef) -> Release:
+    """The finish's Release, equal to `Release(step=step, op=Op.AGREE, buffer=buffer)`
+    (no converters or checks to skip)."""
+    out = _new(Release)
+    _set(out, "step", step)
+    _set(out, "op", Op.AGREE)
+    _set(out, "buffer", buffer)
+    return out
 
 
 def _column(
@@ -793,7 +871,7 @@ def _reuse(
         counts = sync.num_tokens_across_dp
         padded = np.where(counts > 0, desired.num_tokens, 0).astype(np.int32)
         sync = attrs.evolve(sync, num_tokens_across_dp=padded)
-    return DispatchOutcome(descriptor=desired, sync=sync)
+    return _outcome(desired, sync)
 
 
 # -- wait and finish --------------------------------------------------------------------------
@@ -812,9 +890,9 @@ def wait_for_agreement(pending: PendingAgreement) -> Step[PendingAgreement, Buff
             "pass the result of start_agreement",
         )
     if pending.work is None:
-        return Step(state=pending, effects=(), result=pending.table)
+        return _step(pending, (), pending.table)
     wait = WaitWork(step=pending.step, op=Op.AGREE, work=pending.work)
-    return Step(state=pending, effects=(wait,), result=pending.table)
+    return _step(pending, (wait,), pending.table)
 
 
 def finish_agreement(
@@ -854,10 +932,10 @@ def finish_agreement(
                 "a reduced table was passed for an agreement decided at once",
                 "pass None: this start issued no collective (wait_for_agreement gives None)",
             )
-        return Step(state=free, effects=(), result=pending.decided)
-    lows, highs, live_table = _check_table(pending, reduced_table)
-    outcome = _decide(pending, lows, highs, live_table)
-    return Step(state=free, effects=pending.release, result=outcome)
+        return _step(free, (), pending.decided)
+    bounds, live_table = _check_table(pending, reduced_table)
+    outcome = _decide(pending, bounds, live_table)
+    return _step(free, pending.release, outcome)
 
 
 def _check_finish(lanes: Any, pending: Any) -> None:
@@ -881,14 +959,30 @@ def _bad_table(problem: str, fix: str) -> InvalidInputError:
     return InvalidInputError("finish_agreement", problem, fix)
 
 
-_INT32 = np.dtype(np.int32)
-_SMALL_GROUP = 16  # up to this many columns, builtins over lists beat numpy's reductions
+_SMALL_GROUP = 16  # up to this many live columns, list.sort beats numpy's calls
+_SORT_GROUP = 256  # up to this many, one numpy sort beats two reductions (min and max)
+
+
+def _row_bounds(live_table: npt.NDArray[np.int32]) -> Sequence[Sequence[int]]:
+    """Each row's live values with the least first and the most last (or just those two)."""
+    columns = live_table.shape[1]
+    if columns <= _SMALL_GROUP:
+        rows: list[list[int]] = live_table.tolist()
+        for row in rows:
+            row.sort()
+        return rows
+    if columns <= _SORT_GROUP:
+        # Columns 0 and columns-1 of the sorted rows: each row's least and most.
+        pairs: list[list[int]] = np.sort(live_table, axis=1)[:, :: columns - 1].tolist()
+        return pairs
+    lows, highs = live_table.min(axis=1).tolist(), live_table.max(axis=1).tolist()
+    return list(zip(lows, highs, strict=True))
 
 
 def _check_table(
     pending: PendingAgreement, reduced_table: Any
-) -> tuple[list[int], list[int], npt.NDArray[np.int32]]:
-    """Each row's smallest and largest live value, and the live columns, checked once.
+) -> tuple[Sequence[Sequence[int]], npt.NDArray[np.int32]]:
+    """Each row's live bounds (`_row_bounds`) and the live columns, checked once.
 
     The decision depends on the table only through these, so the table is read once:
     its shape and dtype, this rank's column, and that the live values the decision
@@ -912,43 +1006,34 @@ def _check_table(
             "pass the all-reduced table bound to the pending agreement's `table` (tensor.numpy())",
         )
     rank = group.dp_rank
-    small = len(group.live) <= _SMALL_GROUP
-    rows: list[list[int]] = (
-        reduced_table.tolist() if small else reduced_table[:, rank : rank + 1].tolist()
-    )
-    column = tuple([row[rank if small else 0] for row in rows])
+    column = tuple(reduced_table[:, rank].tolist())
     if column != pending.own:
         raise _bad_table(
             f"column {rank} is {list(column)} but this rank contributed {list(pending.own)}",
             "pass the table reduced from this agreement's contribution (same lane and step)",
         )
     live_table = reduced_table if group.all_live else reduced_table[:, group.live]
-    if small:
-        if not group.all_live:
-            rows = live_table.tolist()
-        lows = list(map(min, rows))
-        highs = list(map(max, rows))
-    else:
-        lows = live_table.min(axis=1).tolist()
-        highs = live_table.max(axis=1).tolist()
-    query_low = lows[ROW_MAX_QUERY_LEN]
+    bounds = _row_bounds(live_table)
+    modes = bounds[ROW_CG_MODE]
+    query_low = bounds[ROW_MAX_QUERY_LEN][0]
     sane = (
-        lows[ROW_NUM_TOKENS] >= 0
-        and lows[group.layout.row_num_reqs] >= 0
-        and lows[ROW_UNIFORM_TOKEN_COUNT] >= 0
+        bounds[ROW_NUM_TOKENS][0] >= 0
+        and bounds[group.layout.row_num_reqs][0] >= 0
+        and bounds[ROW_UNIFORM_TOKEN_COUNT][0] >= 0
         and query_low >= -1
         and query_low != 0  # 0 is never written; with a -1 present no bound is read
-        and lows[ROW_CG_MODE] >= CUDAGraphMode.NONE
-        and highs[ROW_CG_MODE] <= CUDAGraphMode.FULL
+        and modes[0] >= CUDAGraphMode.NONE
+        and modes[-1] <= CUDAGraphMode.FULL
     )
     if sane and group.layout.microbatch is not None:
-        sane = lows[ROW_ALLOW_UBATCHING] >= 0 and highs[ROW_ALLOW_UBATCHING] <= 1
+        votes = bounds[ROW_ALLOW_UBATCHING]
+        sane = votes[0] >= 0 and votes[-1] <= 1
     if not sane:
         raise _bad_table(
             f"reduced_table holds values no rank contributes: {reduced_table.tolist()}",
             "sum-all-reduce the contributions of start_agreement, nothing else",
         )
-    return lows, highs, live_table
+    return bounds, live_table
 
 
 _IDLE = DispatchOutcome(
@@ -959,24 +1044,26 @@ _IDLE = DispatchOutcome(
 
 def _decide(
     pending: PendingAgreement,
-    lows: list[int],
-    highs: list[int],
+    bounds: Sequence[Sequence[int]],
     live_table: npt.NDArray[np.int32],
 ) -> DispatchOutcome:
-    """The decision from each row's live minimum and maximum (the same on every rank)."""
-    most_tokens = highs[ROW_NUM_TOKENS]
+    """The decision from each row's live least ([0]) and most ([-1]), the same on every rank."""
+    tokens = bounds[ROW_NUM_TOKENS]
+    most_tokens = tokens[-1]
     if most_tokens == 0:
         return _IDLE
     group = pending.group
-    most_reqs = highs[group.layout.row_num_reqs]
+    most_reqs = bounds[group.layout.row_num_reqs][-1]
     # All equal and non-zero (0 encodes None); one dissenting rank is a disagreement.
-    uniform = highs[ROW_UNIFORM_TOKEN_COUNT]
-    agreed_uniform = uniform if uniform and lows[ROW_UNIFORM_TOKEN_COUNT] == uniform else None
+    uniforms = bounds[ROW_UNIFORM_TOKEN_COUNT]
+    uniform = uniforms[-1]
+    agreed_uniform = uniform if uniform and uniforms[0] == uniform else None
     # Varlen graphs are chosen by the query-length bound, so it must be agreed too: the
     # largest, when no rank wrote -1 (None).
-    agreed_query_len = highs[ROW_MAX_QUERY_LEN] if lows[ROW_MAX_QUERY_LEN] != -1 else None
+    query_lens = bounds[ROW_MAX_QUERY_LEN]
+    agreed_query_len = query_lens[-1] if query_lens[0] != -1 else None
     micro = group.layout.microbatch
-    if micro is not None and lows[ROW_ALLOW_UBATCHING] == 1:
+    if micro is not None and bounds[ROW_ALLOW_UBATCHING][0] == 1:
         # purepp's departure: uniform decode is derived from agreed values only.
         threshold = (
             micro.decode_token_threshold
@@ -984,18 +1071,18 @@ def _decide(
             else micro.prefill_token_threshold
         )
         # Thresholds grow with the token count: holding the smallest rank to them holds all.
-        if lows[ROW_NUM_TOKENS] >= threshold:
+        if tokens[0] >= threshold:
             batch = pending.batch
             descriptor = _eager(
                 most_tokens, batch.num_reqs, pending.desired.num_active_loras, micro.num_ubatches
             )
             counts = group.padded_counts(most_tokens)
             sync = _sync(counts, agreed_uniform, True, most_reqs, agreed_query_len)
-            return DispatchOutcome(descriptor=descriptor, sync=sync)
-    if lows[ROW_CG_MODE] == CUDAGraphMode.NONE:
+            return _outcome(descriptor, sync)
+    if bounds[ROW_CG_MODE][0] == CUDAGraphMode.NONE:
         counts = _own_counts(group, live_table[ROW_NUM_TOKENS])
         sync = _sync(counts, agreed_uniform, True, most_reqs, agreed_query_len)
-        return DispatchOutcome(descriptor=_eager_for(pending.batch, pending.desired), sync=sync)
+        return _outcome(_eager_for(pending.batch, pending.desired), sync)
     dispatcher = pending.dispatcher
     if dispatcher is None:  # unreachable: this rank contributed NONE, so the min is NONE
         raise _bad_table("no dispatcher for an agreed graph", "pass a checked table")
@@ -1018,7 +1105,7 @@ def _decide(
         full_reqs if full_reqs is not None else most_reqs,
         agreed_query_len,
     )
-    return DispatchOutcome(descriptor=descriptor, sync=sync)
+    return _outcome(descriptor, sync)
 
 
 def _own_counts(group: AgreementGroup, live_tokens: npt.NDArray[np.int32]) -> IntArray:
@@ -1028,7 +1115,8 @@ def _own_counts(group: AgreementGroup, live_tokens: npt.NDArray[np.int32]) -> In
         counts[list(group.live)] = live_tokens
         live_tokens = counts
     # A view of bytes: the caller's table stays theirs, and the copy cannot be thawed.
-    out: IntArray = np.frombuffer(live_tokens.tobytes(), dtype=np.int32)
+    # (The dtype object, not np.int32, spares numpy converting it on every call.)
+    out: IntArray = np.frombuffer(live_tokens.tobytes(), _INT32)
     return out
 
 

@@ -32,6 +32,7 @@ from purepp.dp import (
     start_agreement,
     wait_for_agreement,
 )
+from purepp.effects.arrays import is_frozen
 from purepp.effects.vocabulary import (
     AllReduce,
     BufferRef,
@@ -48,6 +49,7 @@ from purepp.errors import (
     PureppError,
     StaleSyncError,
 )
+from purepp.step import Step
 from tests.strategies import desc
 
 FULL = CUDAGraphMode.FULL
@@ -471,6 +473,81 @@ def test_finish_matches_a_table_reduced_by_hand() -> None:
     assert decided.effects == (Release(step=second.step, op=Op.AGREE, buffer=second.table),)
     assert decided.result == DispatchOutcome(
         descriptor=desc(FULL, 8, 4, uniform=2), sync=sync([8, 8], uniform=2, reqs=4)
+    )
+
+
+def test_start_and_finish_build_what_the_public_constructors_build() -> None:
+    # The library builds these values without their keyword constructors; they must be
+    # equal to (and hash like) what the constructors build from the same fields.
+    group = AgreementGroup(dp_size=3, dp_rank=1)
+    facts = batch(2, 4, 2)
+    started = start_agreement(FREE, group, SPEC, facts, step=7, asynchronous=True)
+    table = BufferRef("dp.target.step7.table")
+    work = WorkRef("dp.target.step7.work")
+    own = (4, int(FULL), 2, -1, 2)
+    contribution = np.zeros((TABLE_ROWS, 3), dtype=np.int32)
+    contribution[:, 1] = own
+    release = Release(step=7, op=Op.AGREE, buffer=table)
+    pending = PendingAgreement(
+        step=7,
+        lane=Lane.TARGET,
+        group=group,
+        batch=facts,
+        dispatcher=SPEC,
+        desired=desc(FULL, 4, 2, uniform=2),
+        decided=None,
+        table=table,
+        work=work,
+        contribution=contribution,
+        own=own,
+        release=(release,),
+    )
+    all_reduce = AllReduce(
+        step=7,
+        op=Op.AGREE,
+        contribution=contribution,
+        result=table,
+        comm=Communicator.DP_CPU,
+        work=work,
+    )
+    assert started == Step(state=AgreementLanes(target=7), effects=(all_reduce,), result=pending)
+    assert started.result.release == (release,)
+    assert hash(started.result.release) == hash((release,))
+    built = started.result.contribution
+    assert built is not None
+    assert built.dtype == np.int32
+    assert built.shape == (TABLE_ROWS, 3)
+    assert is_frozen(built)
+    assert built.tolist() == contribution.tolist()
+
+    reduced = np.array([own, own, own], dtype=np.int32).T  # three ranks alike
+    finished = finish_agreement(started.state, started.result, reduced)
+    agreed = sync([4, 4, 4], uniform=2, reqs=2)
+    outcome = DispatchOutcome(descriptor=desc(FULL, 4, 2, uniform=2), sync=agreed)
+    assert finished == Step(state=AgreementLanes(), effects=(release,), result=outcome)
+    assert hash(finished.result) == hash(outcome)
+
+    at_once_started = start_agreement(
+        FREE, AgreementGroup(dp_size=1, dp_rank=0), SPEC, facts, step=7
+    )
+    decided = DispatchOutcome(descriptor=desc(FULL, 4, 2, uniform=2), sync=None)
+    assert at_once_started == Step(
+        state=AgreementLanes(target=7),
+        effects=(),
+        result=PendingAgreement(
+            step=7,
+            lane=Lane.TARGET,
+            group=AgreementGroup(dp_size=1, dp_rank=0),
+            batch=facts,
+            dispatcher=SPEC,
+            desired=desc(FULL, 4, 2, uniform=2),
+            decided=decided,
+            table=None,
+            work=None,
+            contribution=None,
+            own=(),
+            release=(),
+        ),
     )
 
 
