@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One batched H200 session: GPU tests, relay host cost (every wire), the floors of single
-# calls (relay_floor), the pure calls of a step on the host (pure_breakdown), DP
-# agreement and overlap on the host CPU, memory flatness, and an NCCL `purepp run` +
-# `purepp check`.
+# One batched H200 session: GPU tests, relay host cost (every wire), the interpreter alone
+# (fresh and persistent inputs), the floors of single calls (relay_floor), the pure calls
+# of a step on the host (pure_breakdown), DP agreement and overlap on the host CPU,
+# memory flatness, and an NCCL `purepp run` + `purepp check`.
 # Run from the repository root with OUT set to a results folder.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:."
@@ -11,6 +11,10 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tail -
 timeout 330 python3 -m benchmarks.relay_host_cost --device cuda --steps 300 --rounds 3 --warmup 42 \
     --wire seed packed fixed --json "$OUT/relay_cuda.json" > "$OUT/relay_cuda.md" 2>&1
 grep -A80 "host us/step" "$OUT/relay_cuda.md" | head -60
+for inputs in "" --persistent-inputs; do
+    timeout 120 python3 -m benchmarks.interpreter_modes --device cuda --steps 600 --rounds 3 $inputs 2>&1 |
+        tee -a "$OUT/interpreter_modes.md" | tail -13
+done
 timeout 60 python3 -m benchmarks.relay_floor --device cuda --calls 500 --rounds 3 2>&1 | tee "$OUT/relay_floor.md" | tail -22
 timeout 120 python3 -m benchmarks.pure_breakdown --calls 5000 --rounds 3 2>&1 | tee "$OUT/pure_breakdown.md" | grep -E "step \(|seed_noop"
 timeout 120 python3 -m benchmarks.dp_agreement --rounds 7 --iters 1000 2>&1 | tee "$OUT/dp_agreement.txt" | tail -12
