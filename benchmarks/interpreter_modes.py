@@ -15,10 +15,10 @@ plain-sampler step ([n, 1] sampled tokens) every third step.
     python -m benchmarks.interpreter_modes [--device cpu|cuda] [--steps N] [--rounds R]
         [--persistent-inputs]
 
-`--persistent-inputs`: the caller binds one tensor per input and shape for the whole run
-(a persistent buffer it writes in place, or a view of one made once per row count)
-instead of a fresh tensor every step, so a captured step reads its inputs in place
-rather than copying them into the graph's static buffers.
+`--persistent-inputs`: one tensor per input and shape is bound for the whole run instead
+of a fresh tensor every step, so a captured step reads its inputs in place rather than
+copying them into the graph's buffers. It measures what that staging costs; a real
+caller binds fresh tensors (the relay holds its inputs past the step, README).
 
 `time_actions` is the hook other benchmarks use: it times any recorded effect program.
 """
@@ -122,7 +122,8 @@ def record_relay(
 
 def persistent_inputs(actions: Sequence[Action]) -> list[Action]:
     """`actions` with every binding of an input replaced by the first tensor bound to that
-    name with that shape (the values go stale, which host timing does not see)."""
+    name with that shape (the values go stale, which host timing does not see; see the
+    module's note on `--persistent-inputs`)."""
     first: dict[tuple[BufferRef, tuple[int, ...]], torch.Tensor] = {}
     out: list[Action] = []
     for action in actions:
