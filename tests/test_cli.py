@@ -52,6 +52,8 @@ def _refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
         (["--steps", "-1"], "--steps -1", "is below 0"),
         (["--requests", "0"], "--requests 0", "is below 1"),
         (["--backend", "mpi"], "--backend mpi", "is not a backend"),
+        (["--interpreter", "jit"], "--interpreter jit", "is not an interpreter mode"),
+        (["--interpreter", "captured"], "--interpreter captured", "needs --backend nccl"),
         (["--timeout", "inf"], "--timeout inf", "is not finite"),
         (["--timeout", "nan"], "--timeout nan", "is not finite"),
         (["--timeout", "0"], "--timeout 0", "is not above 0"),

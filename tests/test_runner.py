@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from purepp.errors import ConfigError
 from purepp.runner.cli import launch
 from purepp.runner.parity import check_parity
+from purepp.runner.results import PlanCounts
 from purepp.runner.scheduler import Scheduler, SchedulerConfig
 from purepp.runner.settings import RunSettings
 from purepp.runner.toy_model import (
@@ -144,7 +147,15 @@ def test_workload_aborts_land_at_every_ring_offset_and_respect_seed() -> None:
 
 
 def test_settings_reject_bad_options() -> None:
-    for bad in (dict(pp=0), dict(dp=0), dict(spec=99), dict(backend="mpi"), dict(timeout_s=0)):
+    for bad in (
+        dict(pp=0),
+        dict(dp=0),
+        dict(spec=99),
+        dict(backend="mpi"),
+        dict(timeout_s=0),
+        dict(interpreter="jit"),
+        dict(interpreter="captured"),  # CUDA graphs need the nccl backend
+    ):
         with pytest.raises(ConfigError, match="purepp run"):
             RunSettings(**bad)
 
@@ -161,3 +172,50 @@ def test_pp_dp_run_matches_single_stage_run(pp: int, dp: int, spec: int) -> None
     assert summary.tokens > 0
     if spec:
         assert 0 < summary.drafts_accepted < summary.drafts_proposed  # some drafts rejected
+
+
+def _records(logs: Path) -> dict[str, list[str]]:
+    """Each rank's log records, its header (which names the run and its settings) aside."""
+    return {p.name: p.read_text().splitlines()[1:] for p in sorted(logs.glob("rank-*.jsonl"))}
+
+
+@pytest.mark.multiprocess
+def test_every_interpreter_mode_logs_the_records_eager_logs(tmp_path: Path) -> None:
+    """A 2 x 2 run with speculation on the fixed wire, eagerly, checked and with plans:
+    each matches the single-stage run token for token, and all three log the very same
+    effects; with plans, steady batches ran as plans."""
+    records = {}
+    for mode in ("eager", "checked", "plan"):
+        settings = RunSettings(
+            pp=2, dp=2, spec=2, requests=10, timeout_s=60, wire="fixed", interpreter=mode
+        )
+        summary = launch(settings, log_dir=str(tmp_path / mode))
+        assert summary.verdict.ok, (mode, summary.verdict.render())
+        assert summary.tokens > 0
+        records[mode] = _records(tmp_path / mode)
+        plans = summary.plans
+        if mode == "plan":
+            assert plans.lowered > 0
+            assert plans.planned > 5 * plans.lowered, plans
+            assert plans.replayed == 0
+        else:
+            assert plans == PlanCounts()
+        assert f"interpreter      {mode}" in summary.render()
+    assert len(records["eager"]) == 4
+    assert records["checked"] == records["eager"]
+    assert records["plan"] == records["eager"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("wire", ["seed", "fixed"])
+def test_a_captured_run_replays_graphs_and_matches_the_single_stage_run(wire: str) -> None:
+    """One GPU, one rank: the relay's batches and the agreement run as CUDA-graph replays
+    of their plans, and the tokens match the single-stage run on CPU."""
+    settings = RunSettings(
+        pp=1, dp=1, spec=3, requests=10, backend="nccl", wire=wire, interpreter="captured"
+    )
+    summary = launch(settings)
+    assert summary.verdict.ok, summary.verdict.render()
+    assert summary.verdict.exact > 0
+    assert summary.plans.replayed > summary.plans.lowered, summary.plans

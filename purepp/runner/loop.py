@@ -42,7 +42,7 @@ from purepp.errors import StaleTokenError
 from purepp.layout import Layout
 from purepp.rank import Agreed, Begun, RankConfig, RankDriver, Sampled, ShapeFacts, init_rank
 from purepp.relay import ConsumedOutputs, RelayConfig, Wire
-from purepp.runner.results import RankResult
+from purepp.runner.results import PlanCounts, RankResult
 from purepp.runner.scheduler import ScheduledRow, ScheduledStep, Scheduler, SchedulerConfig
 from purepp.runner.settings import RunSettings
 from purepp.runner.toy_model import (
@@ -387,6 +387,17 @@ class RankLoop:
 
     # -- the report --------------------------------------------------------------------------
 
+    def _plan_counts(self) -> PlanCounts:
+        planner = self.env.planner
+        if planner is None:
+            return PlanCounts()
+        return PlanCounts(
+            lowered=planner.lowered,
+            planned=planner.planned,
+            replayed=planner.replayed,
+            eager=planner.eager,
+        )
+
     def _result(self, seconds: float) -> RankResult:
         scheduler = self.scheduler
         outputs = dict(scheduler.outputs)
@@ -406,4 +417,5 @@ class RankLoop:
             drafts_accepted=self.drafts_accepted,
             padded_tokens=self.padded_tokens,
             eager_steps=self.eager_steps,
+            plans=self._plan_counts(),
         )

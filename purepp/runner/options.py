@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from purepp.errors import ConfigError
 from purepp.relay import Wire
-from purepp.runner.settings import MAX_SPECULATIVE_STEPS, RunSettings
+from purepp.runner.settings import INTERPRETER_MODES, MAX_SPECULATIVE_STEPS, RunSettings
 
 __all__ = [
     "MAX_TIMEOUT_S",
@@ -91,6 +91,13 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="schedule one step ahead and run its DP agreement during this step's forward",
     )
+    add(
+        "--interpreter",
+        default=d.interpreter,
+        help="how effects run: eager (default), checked (every effect validated), plan "
+        "(repeated batches run as lowered plans) or captured (plans replayed as CUDA "
+        "graphs; --backend nccl)",
+    )
     add("--log-dir", default=None, help="write one effect log per rank here (replacing old ones)")
     add("--trace", default=None, help="write a Chrome/Perfetto trace to this file")
 
@@ -149,6 +156,7 @@ def settings_from_args(
         "validate_header": args.validate_header,
         "overlap_agreement": args.overlap_agreement,
         "wire": args.wire,
+        "interpreter": args.interpreter,
     }
     raw.update(overrides)
     d = RunSettings()
@@ -164,6 +172,13 @@ def settings_from_args(
     if wire not in _WIRES:
         fix = f"use --wire {' or '.join(_WIRES)}"
         raise _refuse("--wire", wire, "is not a wire format", fix, call)
+    interpreter = raw["interpreter"]
+    if interpreter not in INTERPRETER_MODES:
+        fix = f"use --interpreter {' or '.join(INTERPRETER_MODES)}"
+        raise _refuse("--interpreter", interpreter, "is not an interpreter mode", fix, call)
+    if interpreter == "captured" and backend != "nccl":
+        fix = "add --backend nccl (CUDA graphs), or use --interpreter plan"
+        raise _refuse("--interpreter", interpreter, "needs --backend nccl", fix, call)
     overlap = raw["overlap_agreement"]
     if not isinstance(overlap, bool):
         raise _refuse("--overlap-agreement", overlap, "is not a flag", "omit a value", call)
@@ -189,6 +204,7 @@ def settings_from_args(
         validate_header=validate_header,
         overlap_agreement=overlap,
         wire=str(wire),
+        interpreter=str(interpreter),
     )
 
 

@@ -72,7 +72,17 @@ def run_rank(
         timeout=timeout,
     )
     results_group = dist.new_group(backend="gloo", timeout=timeout)
-    env = TorchInterpreter(device=device, groups=groups, rank=rank)
+    mode = settings.interpreter
+    env = TorchInterpreter(
+        device=device,
+        groups=groups,
+        rank=rank,
+        checked=mode == "checked",
+        plans=mode in ("plan", "captured"),
+        capture=mode == "captured",
+        # A receive's outputs are held for the ring's depth (pp) and a step more.
+        capture_copies=settings.pp + 1,
+    )
     tracer = Tracer(rank=rank, inner=env) if trace_path else None
     perform: Interpreter = env if tracer is None else tracer
     if log_dir is not None:

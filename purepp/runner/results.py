@@ -18,7 +18,25 @@ import cattrs
 from purepp.effects._converter import CONVERTER, describe_structure_error
 from purepp.errors import PureppError
 
-__all__ = ["RankResult", "ResultsError", "read_results", "write_results"]
+__all__ = ["PlanCounts", "RankResult", "ResultsError", "read_results", "write_results"]
+
+
+@attrs.frozen(kw_only=True)
+class PlanCounts:
+    """How a rank's batches of effects ran (all zero unless the interpreter plans)."""
+
+    lowered: int = 0  # plans made
+    planned: int = 0  # batches run by a plan
+    replayed: int = 0  # batches run by a CUDA-graph replay of a plan
+    eager: int = 0  # batches run eagerly: a plan's first meeting, or bindings that did not fit
+
+    def __add__(self, other: PlanCounts) -> PlanCounts:
+        return PlanCounts(
+            lowered=self.lowered + other.lowered,
+            planned=self.planned + other.planned,
+            replayed=self.replayed + other.replayed,
+            eager=self.eager + other.eager,
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -37,6 +55,7 @@ class RankResult:
     drafts_accepted: int  # of which accepted
     padded_tokens: int  # tokens added by padding to agreed shapes
     eager_steps: int  # steps the DP group agreed to run eager
+    plans: PlanCounts = PlanCounts()  # how the interpreter ran its batches
 
 
 class ResultsError(PureppError):

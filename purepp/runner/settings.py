@@ -9,9 +9,13 @@ import attrs
 from purepp.errors import ConfigError
 from purepp.runner.workload import WorkloadConfig
 
-__all__ = ["MAX_SPECULATIVE_STEPS", "RunSettings"]
+__all__ = ["INTERPRETER_MODES", "MAX_SPECULATIVE_STEPS", "RunSettings"]
 
 MAX_SPECULATIVE_STEPS = 7  # the toy drafter's longest useful proposal
+# The torch interpreter's modes (purepp.effects.torch_interpreter): the fast eager
+# default, every effect validated, repeated batches run as plans, plans captured into
+# CUDA graphs (nccl only).
+INTERPRETER_MODES = ("eager", "checked", "plan", "captured")
 
 
 @attrs.frozen(kw_only=True)
@@ -34,6 +38,7 @@ class RunSettings:
     validate_header: bool = False  # the relay's opt-in [step, n] header, checked by receivers
     wire: str = "seed"  # the relay's wire format: seed, packed or fixed (purepp.relay.Wire)
     overlap_agreement: bool = False  # start each step's DP agreement during the forward before
+    interpreter: str = "eager"  # the torch interpreter's mode (INTERPRETER_MODES)
 
     def __attrs_post_init__(self) -> None:
         # The library's own guard; `purepp run` checks its options first, naming them.
@@ -54,6 +59,16 @@ class RunSettings:
             ),
             (self.seed >= 0, f"seed={self.seed}", "use a seed of 0 or more"),
             (self.backend in ("gloo", "nccl"), f"backend={self.backend!r}", "use gloo or nccl"),
+            (
+                self.interpreter in INTERPRETER_MODES,
+                f"interpreter={self.interpreter!r}",
+                f"use one of {', '.join(INTERPRETER_MODES)}",
+            ),
+            (
+                self.interpreter != "captured" or self.backend == "nccl",
+                f"interpreter='captured' with backend={self.backend!r}",
+                "capture CUDA graphs with the nccl backend (one GPU per rank)",
+            ),
             (
                 math.isfinite(self.timeout_s) and self.timeout_s > 0,
                 f"timeout_s={self.timeout_s}",

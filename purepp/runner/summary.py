@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import attrs
 
 from purepp.runner.parity import ParityVerdict, check_parity
-from purepp.runner.results import RankResult
+from purepp.runner.results import PlanCounts, RankResult
 from purepp.runner.settings import RunSettings
 
 __all__ = ["RunSummary", "summarise"]
@@ -28,6 +28,7 @@ class RunSummary:
     drafts_accepted: int  # of which accepted
     padded_tokens: int  # tokens the last stages ran beyond their batches (agreed shapes)
     eager_steps: int  # steps a DP group agreed to run eager, summed over the last stages
+    plans: PlanCounts  # how the ranks' interpreters ran their batches, summed over ranks
     verdict: ParityVerdict  # against the single-stage run
 
     def render(self) -> str:
@@ -36,10 +37,20 @@ class RunSummary:
         accepted = (
             f"{self.drafts_accepted}/{self.drafts_proposed}" if self.drafts_proposed else "none"
         )
+        p = self.plans
+        interpreter = {
+            "eager": "eager",
+            "checked": "checked: every effect validated",
+            "plan": f"plan: {p.lowered} plans lowered; batches run {p.planned} by a plan, "
+            f"{p.eager} eagerly",
+            "captured": f"captured: {p.lowered} plans lowered; batches run {p.replayed} by "
+            f"a CUDA-graph replay, {p.planned} by a plan, {p.eager} eagerly",
+        }[s.interpreter]
         return "\n".join(
             [
                 f"purepp run: pp={s.pp} x dp={s.dp} on {s.backend}, spec={s.spec}, seed={s.seed}"
                 + (", relay header validated" if s.validate_header else ""),
+                f"  interpreter      {interpreter}",
                 f"  steps            {self.steps} (the single-stage reference: "
                 f"{self.reference_steps})",
                 f"  requests         {self.requests} ({self.aborted} aborted in flight)",
@@ -84,5 +95,6 @@ def summarise(
         drafts_accepted=sum(r.drafts_accepted for r in last_stages),
         padded_tokens=sum(r.padded_tokens for r in last_stages),
         eager_steps=sum(r.eager_steps for r in last_stages),
+        plans=sum((r.plans for r in results), PlanCounts()),
         verdict=verdict,
     )

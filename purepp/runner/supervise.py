@@ -552,6 +552,7 @@ def worker_argv(settings: RunSettings, log_dir: str | None, trace: str | None) -
         f"--backend={settings.backend}",
         f"--timeout={settings.timeout_s!r}",
         f"--wire={settings.wire}",
+        f"--interpreter={settings.interpreter}",
     ]
     if settings.validate_header:
         argv.append("--validate-header")
@@ -566,8 +567,11 @@ def worker_argv(settings: RunSettings, log_dir: str | None, trace: str | None) -
 
 def _reference_world(settings: RunSettings, work: Path, started: list[_Rank]) -> _World:
     """The single-stage run of the same workload (same --steps), without aborts, on CPU."""
-    # The plain rank step even when the run overlaps its agreement: parity compares the two.
-    reference = attrs.evolve(settings, pp=1, dp=1, backend="gloo", overlap_agreement=False)
+    # The plain rank step, eagerly, even when the run overlaps its agreement or runs plans
+    # or graphs: parity compares the two.
+    reference = attrs.evolve(
+        settings, pp=1, dp=1, backend="gloo", overlap_agreement=False, interpreter="eager"
+    )
     argv = [*worker_argv(reference, None, None), "--reference"]
     return _World("reference", 1, argv, work, started)
 
