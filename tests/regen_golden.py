@@ -18,6 +18,7 @@ chunks that do and do not sample, decodes) run by the real pure steps, recorded 
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
 from pathlib import Path
@@ -65,6 +66,11 @@ def regenerate(root: Path = GOLDEN_DIR) -> list[Path]:
 
 
 if __name__ == "__main__":
+    # No options; parsing still answers --help (and refuses a stray argument) before
+    # anything is rewritten.
+    argparse.ArgumentParser(
+        prog="python -m tests.regen_golden", description=__doc__.splitlines()[0]
+    ).parse_args()
     for path in regenerate():
         print(f"wrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
     sys.exit(0)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "tests" / "readme_example.py"
 
@@ -22,6 +24,7 @@ def test_readme_example_is_the_checked_file() -> None:
     assert _readme_python_blocks()[0] == body
 
 
+@pytest.mark.multiprocess  # two gloo stages
 def test_readme_example_runs() -> None:
     result = subprocess.run(
         [sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=60, check=False
@@ -48,6 +51,7 @@ def test_readme_example_type_checks() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.multiprocess  # the first block starts two gloo stages
 def test_every_readme_python_block_runs(tmp_path: Path) -> None:
     for index, block in enumerate(_readme_python_blocks()):
         script = tmp_path / f"block{index}.py"

@@ -207,6 +207,7 @@ def test_every_interpreter_mode_logs_the_records_eager_logs(tmp_path: Path) -> N
 
 
 @pytest.mark.gpu
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("wire", ["seed", "fixed"])
 def test_a_captured_run_replays_graphs_and_matches_the_single_stage_run(wire: str) -> None:
