@@ -63,7 +63,7 @@ import enum
 import functools
 import struct
 from collections.abc import Iterable, Sequence
-from typing import Any, TypeAlias, TypeVar, cast
+from typing import Any, TypeAlias, cast
 
 import attrs
 import numpy as np
@@ -130,18 +130,6 @@ TABLE_ROWS = 5  # rows of the seed's layout
 _new = object.__new__
 _set = object.__setattr__
 _INT32 = np.dtype(np.int32)
-
-_S = TypeVar("_S")
-_R = TypeVar("_R")
-
-
-def _step(state: _S, effects: tuple[Effect, ...], result: _R) -> Step[_S, _R]:
-    """A Step built without its keyword `__init__` (Step has no checks to skip)."""
-    out: Step[_S, _R] = _new(Step)
-    _set(out, "state", state)
-    _set(out, "effects", effects)
-    _set(out, "result", result)
-    return out
 
 
 class LaneBusyError(PureppError):
@@ -706,7 +694,7 @@ def start_agreement(
             desired=desired,
             decided=decided,
         )
-        return _step(busy, (), pending)
+        return Step(busy, (), pending)
     own = _column(group, batch, desired)
     # This rank's column packed into zeros: the bytes of the table, immutable all the
     # way down, so the AllReduce takes the array as it is.
@@ -737,7 +725,7 @@ def start_agreement(
     _set(all_reduce, "result", table_ref)
     _set(all_reduce, "comm", group.comm_of(lane))
     _set(all_reduce, "work", work)
-    return _step(busy, (all_reduce,), pending)
+    return Step(busy, (all_reduce,), pending)
 
 
 @functools.lru_cache(maxsize=256)
@@ -890,9 +878,9 @@ def wait_for_agreement(pending: PendingAgreement) -> Step[PendingAgreement, Buff
             "pass the result of start_agreement",
         )
     if pending.work is None:
-        return _step(pending, (), pending.table)
+        return Step(pending, (), pending.table)
     wait = WaitWork(step=pending.step, op=Op.AGREE, work=pending.work)
-    return _step(pending, (wait,), pending.table)
+    return Step(pending, (wait,), pending.table)
 
 
 def finish_agreement(
@@ -932,10 +920,10 @@ def finish_agreement(
                 "a reduced table was passed for an agreement decided at once",
                 "pass None: this start issued no collective (wait_for_agreement gives None)",
             )
-        return _step(free, (), pending.decided)
+        return Step(free, (), pending.decided)
     bounds, live_table = _check_table(pending, reduced_table)
     outcome = _decide(pending, bounds, live_table)
-    return _step(free, pending.release, outcome)
+    return Step(free, pending.release, outcome)
 
 
 def _check_finish(lanes: Any, pending: Any) -> None:
