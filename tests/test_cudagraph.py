@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from purepp import cudagraph
 from purepp.cudagraph import (
     BatchExecutionDescriptor,
     CaptureMode,
@@ -73,25 +74,26 @@ def test_capture_mode_splits_into_decode_and_mixed_runtime_modes(
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "problem"),
     [
-        {"sizes": ()},
-        {"sizes": (4, 2)},
-        {"sizes": (2, 2, 4)},
-        {"sizes": (0, 2)},
-        {"sizes": (-1, 2)},
-        {"max_num_reqs": 0},
-        {"spec": -1},
-        {"loras": ()},
-        {"loras": (2, 0)},
-        {"loras": (-1, 0)},
-        {"varlen": True},
+        ({"sizes": ()}, "capture_sizes is empty with capture_mode=FULL"),
+        ({"sizes": (4, 2)}, r"capture_sizes=\[4, 2\] is not strictly increasing"),
+        ({"sizes": (2, 2, 4)}, r"capture_sizes=\[2, 2, 4\] is not strictly increasing"),
+        ({"sizes": (0, 2)}, r"capture_sizes=\[0, 2\] is not strictly increasing"),
+        ({"sizes": (-1, 2)}, "capture_sizes entry=-1 is outside"),
+        ({"max_num_reqs": 0}, "max_num_reqs=0 is outside"),
+        ({"spec": -1}, "num_speculative_tokens=-1 is outside"),
+        ({"loras": ()}, r"lora_capture_cases=\[\] is not strictly increasing"),
+        ({"loras": (2, 0)}, r"lora_capture_cases=\[2, 0\] is not strictly increasing"),
+        ({"loras": (0, 0)}, r"lora_capture_cases=\[0, 0\] is not strictly increasing"),
+        ({"loras": (-1, 0)}, "lora_capture_cases entry=-1 is outside"),
+        ({"varlen": True}, "varlen_decode with capture_mode=FULL"),
     ],
 )
 def test_bad_configuration_is_a_config_error_naming_the_dispatcher(
-    kwargs: dict[str, object],
+    kwargs: dict[str, object], problem: str
 ) -> None:
-    with pytest.raises(ConfigError, match=r"^CudaGraphDispatcher: .* Fix: "):
+    with pytest.raises(ConfigError, match=rf"^CudaGraphDispatcher: {problem}.* Fix: "):
         make(CaptureMode.FULL, **kwargs)  # type: ignore[arg-type]
 
 
@@ -254,6 +256,29 @@ def test_bad_dispatch_input_is_an_invalid_input_error_naming_dispatch(
     num_reqs, num_tokens, uniform, loras, query_len = args
     with pytest.raises(InvalidInputError, match=r"^CudaGraphDispatcher\.dispatch: "):
         dispatcher.dispatch(num_reqs, num_tokens, uniform, loras, query_len)
+
+
+@pytest.mark.parametrize("field", range(5))
+@pytest.mark.parametrize("kind", [float, bool])
+def test_a_remembered_answer_still_refuses_a_float_or_bool_equal_to_its_question(
+    field: int, kind: type
+) -> None:
+    # 1.0 and True hash and compare equal to 1: the memo must not answer them.
+    dispatcher = make(CaptureMode.FULL_AND_PIECEWISE, max_num_reqs=8, varlen=True)
+    args: list[object] = [1, 1, 1, 1, 1]  # num_reqs, num_tokens, uniform, loras, query len
+    names = ["num_reqs", "num_tokens", "uniform_token_count", "num_active_loras", "max_query_len"]
+    dispatcher.dispatch(1, 1, 1, 1, 1)
+    args[field] = kind(1)
+    with pytest.raises(InvalidInputError, match=rf"dispatch: {names[field]}={kind(1)!r} is a"):
+        dispatcher.dispatch(*args)  # type: ignore[arg-type]
+
+
+def test_the_dispatch_memo_stays_bounded() -> None:
+    dispatcher = make(CaptureMode.FULL)
+    bound = cudagraph._MAX_ANSWERS
+    for tokens in range(1, bound + 50):  # above every graph: each a new question
+        assert dispatcher.dispatch(1, tokens, None) == dispatcher.dispatch(1, tokens, None)
+        assert len(dispatcher._answers) <= bound
 
 
 @st.composite

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, TypedDict
 
@@ -46,6 +47,7 @@ from purepp.relay import (
     Platform,
     RelayConfig,
     RelayState,
+    Wire,
     broadcast_drafts,
     broadcast_sampled,
     consume_previous_step,
@@ -69,7 +71,7 @@ class Tag(TypedDict):
     op: Op
 
 
-class Wire(TypedDict):
+class Route(TypedDict):
     src: int
     comm: Communicator
     stream: Stream
@@ -197,10 +199,9 @@ def test_free_out_of_range_slot_raises_and_leaves_state_unchanged(slot: int) -> 
     config = cfg(max_num_reqs=5)
     state = free_request_slot(config, init_relay(config), 0).state
     before = state.generations.copy()
-    with pytest.raises(InvalidInputError) as caught:
-        free_request_slots(config, state, [1, slot])
+    with pytest.raises(InvalidInputError, match=rf"slot {slot} is outside 0\.\.4") as caught:
+        free_request_slots(config, state, [0, 4, slot])  # 0 and 4 are in range: slot is named
     assert_names_call_and_fix(caught.value, "free_request_slots")
-    assert str(slot) in str(caught.value)
     with pytest.raises(InvalidInputError):
         free_request_slot(config, state, slot)
     assert state.generations.tolist() == before.tolist()
@@ -268,7 +269,7 @@ def expected_receive_effects(config: RelayConfig, entry: PendingReceive, n: int)
     counts' rows as views (the seed's unbind), record_stream."""
     spec = config.num_speculative_steps
     tag = Tag(step=entry.step, op=Op.RECEIVE)
-    wire = Wire(src=config.last_rank, comm=Communicator.PP_RELAY, stream=Stream.RELAY)
+    route = Route(src=config.last_rank, comm=Communicator.PP_RELAY, stream=Stream.RELAY)
     shape = (n, spec + 1)
     counts = counts_of(entry)
     effects: list[Effect] = [
@@ -277,8 +278,8 @@ def expected_receive_effects(config: RelayConfig, entry: PendingReceive, n: int)
             **tag, buffer=entry.sampled_tokens, shape=shape, dtype=DType.INT64, stream=Stream.RELAY
         ),
         Allocate(**tag, buffer=counts, shape=(2, n), dtype=DType.INT32, stream=Stream.RELAY),
-        Broadcast(**tag, **wire, buffer=entry.sampled_tokens, shape=shape, dtype=DType.INT64),
-        Broadcast(**tag, **wire, buffer=counts, shape=(2, n), dtype=DType.INT32),
+        Broadcast(**tag, **route, buffer=entry.sampled_tokens, shape=shape, dtype=DType.INT64),
+        Broadcast(**tag, **route, buffer=counts, shape=(2, n), dtype=DType.INT32),
     ]
     received = [entry.sampled_tokens, counts]
     if spec:
@@ -286,7 +287,7 @@ def expected_receive_effects(config: RelayConfig, entry: PendingReceive, n: int)
         drafts = entry.draft_tokens
         effects += [
             Allocate(**tag, buffer=drafts, shape=(n, spec), dtype=DType.INT64, stream=Stream.RELAY),
-            Broadcast(**tag, **wire, buffer=drafts, shape=(n, spec), dtype=DType.INT64),
+            Broadcast(**tag, **route, buffer=drafts, shape=(n, spec), dtype=DType.INT64),
         ]
         received.append(drafts)
     effects.append(RecordEvent(**tag, stream=Stream.RELAY, event=entry.event))
@@ -427,7 +428,7 @@ def test_broadcast_sampled_effects_follow_the_seed_order(width: int) -> None:
     got = broadcast_sampled(config, state, batch([2, 5], [DECODE, PARTIAL]), tokens(2, width))
     assert got.result is True
     tag = Tag(step=7, op=Op.BROADCAST)
-    wire = Wire(src=3, comm=Communicator.PP_RELAY, stream=Stream.RELAY)
+    route = Route(src=3, comm=Communicator.PP_RELAY, stream=Stream.RELAY)
     send_tokens, send_counts = got.state.to_release
     assert send_tokens != send_counts
     assert list(got.effects) == [
@@ -440,14 +441,14 @@ def test_broadcast_sampled_effects_follow_the_seed_order(width: int) -> None:
             fill=0,
             stream=Stream.RELAY,
         ),
-        Broadcast(**tag, **wire, buffer=send_tokens, shape=(2, 3), dtype=DType.INT64),
+        Broadcast(**tag, **route, buffer=send_tokens, shape=(2, 3), dtype=DType.INT64),
         StackRows(
             **tag,
             sources=(INPUTS.num_sampled, INPUTS.num_rejected),
             out=send_counts,
             stream=Stream.RELAY,
         ),
-        Broadcast(**tag, **wire, buffer=send_counts, shape=(2, 2), dtype=DType.INT32),
+        Broadcast(**tag, **route, buffer=send_counts, shape=(2, 2), dtype=DType.INT32),
         RecordStream(**tag, buffer=INPUTS.sampled_tokens, stream=Stream.RELAY),
         RecordStream(**tag, buffer=INPUTS.num_sampled, stream=Stream.RELAY),
         RecordStream(**tag, buffer=INPUTS.num_rejected, stream=Stream.RELAY),
@@ -587,6 +588,8 @@ def test_consume_without_exclusion_waits_and_hands_out_the_original_mapping(
         skips=False,  # nothing excluded: the caller's mapping holds no -1
     )
     assert list(got.effects) == ([wait, scatter] if update_drafts else [wait])
+    if not update_drafts:  # the default leaves the caller's draft table alone
+        assert consume_previous_step(config, state) == got
     assert out == ConsumedOutputs(
         received_at_step=0,
         sampled_tokens=entry.sampled_tokens,
@@ -811,6 +814,96 @@ def test_relay_config_rejects_impossible_values(bad: dict[str, int]) -> None:
         config_with(bad)
     assert_names_call_and_fix(caught.value, "RelayConfig")
     assert any(str(value) in caught.value.problem for value in bad.values())
+
+
+@pytest.mark.parametrize(
+    ("field", "top"),
+    [
+        ("pp_size", 2**31 - 1),
+        ("last_rank", 2**31 - 1),
+        ("max_num_reqs", 2**31 - 1),
+        ("num_speculative_steps", 1024),
+    ],
+)
+def test_relay_config_takes_its_largest_values_and_refuses_one_more(field: str, top: int) -> None:
+    assert getattr(config_with({field: top}), field) == top
+    with pytest.raises(ConfigError, match=rf"^RelayConfig: {field}={top + 1} is outside"):
+        config_with({field: top + 1})
+
+
+def test_relay_config_defaults_are_the_seeds_behaviour() -> None:
+    config = config_with({})
+    assert config.platform is Platform.CUDA
+    assert config.validate_header is False
+    assert config.wire is Wire.SEED
+    assert config.buckets == ()
+    assert config.aux_hidden_state_keys == ()
+    assert config.name == "relay"
+
+
+@pytest.mark.parametrize("keys", [["aux_0"], ("aux_0", 3), "aux_0"])
+def test_relay_config_refuses_aux_keys_that_are_not_a_tuple_of_names(keys: object) -> None:
+    with pytest.raises(ConfigError, match=r"^RelayConfig: aux_hidden_state_keys="):
+        RelayConfig(
+            pp_size=2,
+            stage=0,
+            last_rank=1,
+            max_num_reqs=8,
+            num_speculative_steps=0,
+            aux_hidden_state_keys=keys,  # type: ignore[arg-type]
+        )
+
+
+@pytest.mark.parametrize("buckets", [(8, 4), (2, 2, 8), (2, 4)])
+def test_the_fixed_wire_refuses_buckets_out_of_order_or_short_of_max_num_reqs(
+    buckets: tuple[int, ...],
+) -> None:
+    # (8, 4) and (2, 2, 8) reach max_num_reqs but are not increasing; (2, 4) falls short.
+    shown = re.escape(f"buckets={buckets} with max_num_reqs=8")
+    with pytest.raises(ConfigError, match=rf"^RelayConfig: {shown}"):
+        RelayConfig(
+            pp_size=2,
+            stage=0,
+            last_rank=1,
+            max_num_reqs=8,
+            num_speculative_steps=0,
+            wire=Wire.FIXED,
+            buckets=buckets,
+        )
+
+
+@pytest.mark.parametrize(
+    ("stage", "spec", "wire", "reads"),
+    [
+        (1, 0, Wire.SEED, False),  # the last stage reads it only to gather drafts
+        (1, 2, Wire.SEED, True),
+        (1, 2, Wire.FIXED, True),
+        (1, 0, Wire.FIXED, False),
+        (0, 0, Wire.SEED, True),  # receivers keep it for the ring
+        (0, 2, Wire.PACKED, True),
+        (0, 2, Wire.FIXED, False),  # the fixed wire uploads its own mapping at consume
+    ],
+)
+def test_reads_idx_mapping_says_which_steps_read_the_callers_device_mapping(
+    stage: int, spec: int, wire: Wire, reads: bool
+) -> None:
+    config = RelayConfig.for_stage(
+        pp_size=2, stage=stage, max_num_reqs=8, num_speculative_steps=spec, wire=wire
+    )
+    assert config.reads_idx_mapping is reads
+
+
+def test_a_state_of_another_pipeline_depth_is_refused_and_named() -> None:
+    # Same slot count, ring of 3 instead of 2: the ring's length gives it away.
+    other = init_relay(cfg(pp_size=3, max_num_reqs=8))
+    config = cfg(pp_size=2, max_num_reqs=8)
+    for call, run in (
+        ("consume_previous_step", lambda: consume_previous_step(config, other)),
+        ("end_step", lambda: end_step(config, other)),
+        ("receive", lambda: receive(config, other, batch([1]))),
+    ):
+        with pytest.raises(InvalidInputError, match=rf"^{call}: state has 8 slots and a ring of 3"):
+            run()
 
 
 def test_ring_depth_is_the_pipeline_unless_xpu_runs_without_microbatching() -> None:

@@ -54,6 +54,7 @@ from purepp.errors import (
     ConfigError,
     HeaderMismatchError,
     InterpreterError,
+    InvalidInputError,
 )
 from purepp.relay import (
     HEADER_SHAPE,
@@ -149,6 +150,15 @@ def test_relay_header_is_step_and_request_count_as_read_only_int32() -> None:
 def test_relay_header_step_wraps_to_stay_int32(step: int, wire_step: int) -> None:
     # A server may run past 2**31 steps; the header must not overflow its wire dtype.
     assert relay_header(step, 4).tolist() == [wire_step, 4]
+
+
+def test_relay_header_takes_an_empty_batch_and_the_largest_count_and_refuses_the_rest() -> None:
+    assert relay_header(0, 0).tolist() == [0, 0]
+    assert relay_header(1, 2**31 - 1).tolist() == [1, 2**31 - 1]
+    bad: list[tuple[object, object]] = [(-1, 0), (0, -1), (0, 2**31), (True, 0), (0, 1.0)]
+    for step, num_reqs in bad:
+        with pytest.raises(InvalidInputError, match=r"^relay_header: step="):
+            relay_header(step, num_reqs)  # type: ignore[arg-type]
 
 
 def test_validate_header_must_be_a_bool() -> None:

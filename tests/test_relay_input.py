@@ -572,6 +572,9 @@ def test_batch_facts_name_the_array_that_holds_a_negative_value(field: int, dtyp
     names = ["idx_mapping", "num_computed_tokens", "num_scheduled_tokens", "prefill_len"]
     arrays: list[npt.NDArray[Any]] = [np.array([1, 3, 5], dtype) for _ in names]
     arrays[field][1] = -2
+    for other in range(4):  # zeros elsewhere are in range: the negative value is named
+        if other != field:
+            arrays[other][0] = 0
     with pytest.raises(InvalidInputError, match=rf"^BatchFacts: {names[field]}=\[1, -2, 5\] holds"):
         BatchFacts(**dict(zip(names, arrays, strict=True)))
 
@@ -591,6 +594,15 @@ def test_batch_facts_name_a_repeated_slot_and_a_short_array() -> None:
             num_scheduled_tokens=[1] * 4,
             prefill_len=[1] * 3,
         )
+    with pytest.raises(
+        InvalidInputError, match="num_computed_tokens has 3 entries but idx_mapping has 0"
+    ):
+        BatchFacts(
+            idx_mapping=[],
+            num_computed_tokens=[1, 2, 3],
+            num_scheduled_tokens=[1] * 3,
+            prefill_len=[1] * 3,
+        )
 
 
 def test_batch_facts_near_the_int32_limit_do_not_wrap() -> None:
@@ -605,3 +617,21 @@ def test_batch_facts_near_the_int32_limit_do_not_wrap() -> None:
     assert facts.sampled_mask is not None
     assert facts.sampled_mask.tolist() == [True, False]
     assert not facts.all_sampled
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype"),
+    [(2**31, np.int64), (2**32 + 5, np.int64), (2**63 - 1, np.int64), (2**64 - 1, np.uint64)],
+)
+def test_batch_facts_refuse_a_wide_value_past_int32_instead_of_wrapping(
+    value: int, dtype: type
+) -> None:
+    # 2**32 + 5 cast to int32 is 5: a check after the cast could not see it.
+    scheduled: npt.NDArray[Any] = np.array([1, value], dtype=dtype)
+    with pytest.raises(InvalidInputError, match=rf"num_scheduled_tokens=\[1, {value}\] holds"):
+        BatchFacts(
+            idx_mapping=[0, 1],
+            num_computed_tokens=[0, 0],
+            num_scheduled_tokens=scheduled,
+            prefill_len=[1, 1],
+        )
