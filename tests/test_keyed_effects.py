@@ -129,6 +129,22 @@ def test_equal_keys_have_equal_structures(
     assert keyed > 0
 
 
+def test_end_step_keys_its_releases_by_count_only_when_their_names_are_distinct() -> None:
+    # A repeated name recurs in the structure: keyed by its count alone, (a, a) would
+    # share the plan of (a, b).
+    config = RelayConfig.for_stage(pp_size=2, stage=0, max_num_reqs=4)
+    state = init_relay(config)
+    a, b, c = (BufferRef(f"relay.test.{i}") for i in range(3))
+    seen: dict[Hashable, Structure] = {}
+    for releases in [(a,), (a, b), (a, a), (a, b, c), (a, b, a), (c, c, c)]:
+        effects = end_step(config, attrs.evolve(state, to_release=releases)).effects
+        assert len(effects) == len(releases)
+        if isinstance(effects, KeyedEffects):
+            structure, _ = abstract(effects)
+            assert seen.setdefault(effects.structure, structure) == structure, releases
+    assert len(seen) == 3  # (a,), (a, b) and (a, b, c); the repeats run unkeyed
+
+
 def test_a_keyed_batch_is_a_tuple_and_any_edit_unkeys_it() -> None:
     config = RelayConfig.for_stage(pp_size=2, stage=1, max_num_reqs=4, num_speculative_steps=1)
     batch = BatchFacts(
