@@ -608,6 +608,9 @@ def test_a_dispatcher_that_answers_no_descriptor_is_invalid_input() -> None:
         ({"num_reqs": 2.5}, InvalidInputError, "num_reqs=2.5 is a float"),
         ({"num_tokens": "4"}, InvalidInputError, "num_tokens='4' is a str"),
         ({"num_active_loras": -1}, InvalidInputError, "num_active_loras=-1"),
+        ({"num_active_loras": 1.0}, InvalidInputError, "num_active_loras=1.0 is a float"),
+        ({"num_active_loras": True}, InvalidInputError, "num_active_loras=True is a bool"),
+        ({"uniform": 2.0}, InvalidInputError, "uniform_token_count=2.0 is a float"),
         ({"num_tokens": 2**31}, InvalidInputError, "fit int32"),
         ({"uniform": 0}, InvalidInputError, "uniform_token_count=0"),
         ({"max_query_len": 0}, InvalidInputError, "max_query_len=0"),
@@ -635,6 +638,25 @@ def test_numpy_integers_are_ints_and_come_back_as_python_ints() -> None:
     assert type(facts.num_reqs) is int
     assert type(facts.num_tokens) is int
     assert facts == RankBatch(num_reqs=2, num_tokens=4)
+    # At the limits of the checks: as many requests as tokens, uniform x requests = tokens.
+    full = RankBatch(
+        num_reqs=np.int64(4),  # type: ignore[arg-type]
+        num_tokens=np.int32(4),  # type: ignore[arg-type]
+        uniform_token_count=np.int64(1),  # type: ignore[arg-type]
+        max_query_len=np.int16(1),  # type: ignore[arg-type]
+    )
+    assert full == RankBatch(num_reqs=4, num_tokens=4, uniform_token_count=1, max_query_len=1)
+    assert {type(full.uniform_token_count), type(full.max_query_len)} == {int}
+
+
+@pytest.mark.parametrize("field", ["num_reqs", "num_tokens", "num_active_loras"])
+@pytest.mark.parametrize("value", [1.0, True])
+def test_rank_batch_refuses_a_float_or_bool_count_itself(field: str, value: object) -> None:
+    # Refused when built, not first by a dispatcher the batch may never reach.
+    counts: dict[str, Any] = {"num_reqs": 1, "num_tokens": 1, "num_active_loras": 0}
+    counts[field] = value
+    with pytest.raises(InvalidInputError, match=rf"^RankBatch: {field}={value!r} is a"):
+        RankBatch(**counts)
 
 
 def table_like(pending: PendingAgreement, **changes: Any) -> npt.NDArray[Any]:
@@ -718,6 +740,15 @@ def test_sync_state_rejects_values_no_agreement_produces() -> None:
             uniform_token_count=None,
             eager=True,
             num_reqs=1,
+        )
+    widest = np.array([2**31 - 1, 0], dtype=np.int64)
+    taken = DPSyncState(
+        num_tokens_across_dp=widest, uniform_token_count=None, eager=True, num_reqs=1
+    )
+    assert taken.num_tokens_across_dp.tolist() == [2**31 - 1, 0]
+    with pytest.raises(InvalidInputError, match=r"^DPSyncState: num_tokens_across_dp"):
+        DPSyncState(
+            num_tokens_across_dp=widest + 1, uniform_token_count=None, eager=True, num_reqs=1
         )
     with pytest.raises(PureppError, match="eager=1"):
         DPSyncState(

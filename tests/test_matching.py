@@ -162,6 +162,7 @@ def test_sender_width_mismatch_is_reported_at_the_op_that_diverged() -> None:
     assert report.differing == (MismatchField.SHAPE,)
     # Both receivers posted the padded width: the sender is the odd one out.
     assert (report.classification, report.culprit) == (MismatchClass.SIZE, 2)
+    assert report.fix().startswith("derive wire shapes and dtypes from static configuration")
 
 
 def test_the_report_renders_both_sides() -> None:
@@ -287,7 +288,10 @@ def test_a_source_outside_the_group_is_reported() -> None:
     assert report is not None
     assert (report.rank, report.group, report.differing) == (3, (2, 3), (MismatchField.SRC,))
     assert report.peer is None
+    assert report.classification is MismatchClass.SOURCE
+    assert report.render().startswith("Broadcast source outside its group: op #0")
     assert "rank 1 is not a member of pp_relay" in report.render()
+    assert report.fix().startswith("issue the same collectives in the same order")
 
 
 def test_a_broadcast_against_an_all_reduce_differs_in_kind() -> None:
@@ -402,6 +406,8 @@ def test_a_count_mismatch_blames_the_member_that_never_posted() -> None:
         (1,),
     )
     assert report.render().endswith("  mismatch: missing rank; culprit: rank 1")
+    assert report.render().startswith("Unmatched collective: op #1")
+    assert report.fix().startswith("make every member issue this collective at the same step")
 
 
 def test_drafter_lane_ops_match_among_the_dp_ranks() -> None:
