@@ -741,7 +741,7 @@ def test_sync_state_rejects_values_no_agreement_produces() -> None:
             eager=True,
             num_reqs=1,
         )
-    widest = np.array([2**31 - 1, 0], dtype=np.int64)
+    widest: Any = np.array([2**31 - 1, 0], dtype=np.int64)  # a caller's int64 counts
     taken = DPSyncState(
         num_tokens_across_dp=widest, uniform_token_count=None, eager=True, num_reqs=1
     )
