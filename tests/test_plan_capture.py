@@ -22,6 +22,7 @@ from purepp.effects.plan import Plan, abstract, layout, roles
 from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.effects.vocabulary import (
     Allocate,
+    Broadcast,
     BufferRef,
     Communicator,
     DType,
@@ -29,6 +30,7 @@ from purepp.effects.vocabulary import (
     EventRef,
     Op,
     RecordEvent,
+    Release,
     Section,
     Stream,
     Unpack,
@@ -133,6 +135,16 @@ def test_an_unpack_is_views_not_device_work(interp: TorchInterpreter) -> None:
     assert (capturable.first, capturable.last) == (0, 0)  # the event and the views follow
 
 
+def test_a_name_made_twice_in_one_segment_is_not_captured(interp: TorchInterpreter) -> None:
+    # One static slot per name: a graph cannot hold both buffers the name stood for.
+    tag = programs.Tag(step=5, op=Op.RECEIVE)
+    a = BufferRef("a")
+    made = Allocate(**tag, buffer=a, shape=(2,), dtype=DType.INT64, stream=Stream.RELAY)
+    assert _analyse(interp, plan_of(interp, (made,))) is not None
+    twice = (made, Release(step=5, op=Op.RECEIVE, buffer=a), made)
+    assert _analyse(interp, plan_of(interp, twice)) is None
+
+
 def test_capture_needs_cuda() -> None:
     with pytest.raises(ConfigError, match="capture on a cuda device"):
         TorchInterpreter(device=CPU, groups={}, rank=0, capture=True)
@@ -174,6 +186,30 @@ def gloo() -> Iterator[dict[Communicator, dist.ProcessGroup]]:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with one_rank_world("cpu") as (_, groups):
         yield groups
+
+
+def test_only_nccl_broadcasts_are_captured(
+    gloo: dict[Communicator, dist.ProcessGroup], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A CUDA graph cannot hold a gloo collective: such a plan runs as a plan, uncaptured.
+    interp = TorchInterpreter(device=CPU, groups=gloo, rank=0)
+    tag = programs.Tag(step=5, op=Op.RECEIVE)
+    wire = BufferRef("wire")
+    batch = (
+        Allocate(**tag, buffer=wire, shape=(2,), dtype=DType.INT64, stream=Stream.RELAY),
+        Broadcast(
+            **tag,
+            buffer=wire,
+            shape=(2,),
+            dtype=DType.INT64,
+            src=0,
+            comm=Communicator.PP_RELAY,
+            stream=Stream.RELAY,
+        ),
+    )
+    assert _analyse(interp, plan_of(interp, batch)) is None
+    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
+    assert _analyse(interp, plan_of(interp, batch)) is not None
 
 
 @pytest.mark.parametrize("copies", [2, 3])
@@ -218,3 +254,8 @@ def test_replays_match_eager_and_never_overwrite_a_held_receive(
     if copies == 3:
         # Steady receives and sends replay (consumes too, when they scatter drafts).
         assert planner.replayed >= 2 * 30 - 12, (planner.replayed, planner.planned)
+    # Never more graph instances of a plan than the copies allowed.
+    plans = [plan for family in planner._keyed.values() for plan in family.plans]
+    instances = [len(plan.capture.instances) for plan in plans if plan.capture is not None]
+    assert instances
+    assert max(instances) <= copies
