@@ -139,7 +139,9 @@ def _outcome(interp: TorchInterpreter, batch: tuple[Effect, ...]) -> tuple[str, 
 
 
 @pytest.mark.parametrize("checked", [True, False], ids=["checked", "fast"])
-@pytest.mark.parametrize("bad", ["too-wide", "unbound-input", "made-name-bound"])
+@pytest.mark.parametrize(
+    "bad", ["too-wide", "unbound-input", "made-name-bound", "non-contiguous-input"]
+)
 def test_bindings_that_do_not_fit_a_plan_get_eagers_outcome(
     groups: dict[Communicator, dist.ProcessGroup], checked: bool, bad: str
 ) -> None:
@@ -159,6 +161,9 @@ def test_bindings_that_do_not_fit_a_plan_get_eagers_outcome(
             bind(programs.SAMPLED, np.ones((n, 3), dtype=np.int64))
             interp.perform((programs.send(step, n)[0],))  # a harmless effect, then unbind:
             interp.env.buffers.pop(programs.SAMPLED)
+        elif bad == "non-contiguous-input":  # the plan was lowered over a contiguous one
+            wide = torch.ones((n, 6), dtype=torch.int64)
+            interp.bind(programs.SAMPLED, wide[:, :3])  # rows 6 apart: not contiguous
         else:
             bind(programs.SAMPLED, np.ones((n, 3), dtype=np.int64))
             bind(programs.ref(step, "counts"), np.zeros((2, n), dtype=np.int32))
@@ -169,5 +174,7 @@ def test_bindings_that_do_not_fit_a_plan_get_eagers_outcome(
     (eager_message, eager_env), (plan_message, plan_env) = outcomes
     assert plan_message == eager_message
     assert plan_env == eager_env
-    if checked or bad != "too-wide":
+    if bad == "non-contiguous-input":  # sent as a strided copy: fits eager, not the plan
+        assert eager_message == "performed"
+    elif checked or bad != "too-wide":
         assert eager_message != "performed"
