@@ -670,7 +670,10 @@ def test_a_collective_no_peer_posts_leaves_its_rank_waiting() -> None:
     assert (waiter.awaited.seq, waiter.awaited.missing) == (1, (1,))
     assert report.finished == (1,)
     assert report.at_steps == (1, None)
+    lines = report.render().splitlines()
     assert "not posted by rank(s) 1" in report.render()
+    assert "  finished their program: rank(s) 1" in lines
+    assert lines[-1] == "  at step: rank 0: 1, rank 1: finished"
 
 
 def test_a_relay_broadcast_no_peer_posts_leaves_the_stream_stuck() -> None:
