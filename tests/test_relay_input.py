@@ -579,6 +579,21 @@ def test_batch_facts_name_the_array_that_holds_a_negative_value(field: int, dtyp
         BatchFacts(**dict(zip(names, arrays, strict=True)))
 
 
+@pytest.mark.parametrize(
+    ("rows", "shown"), [(8, "[0, 1, 2, 3, 4, 5, 6, -1] "), (9, "[0, 1, 2, 3, 4, 5, 6, 7]... ")]
+)
+def test_batch_facts_show_at_most_eight_values_of_a_bad_array(rows: int, shown: str) -> None:
+    slots = [*range(rows - 1), -1]
+    with pytest.raises(InvalidInputError) as caught:
+        BatchFacts(
+            idx_mapping=slots,
+            num_computed_tokens=[0] * rows,
+            num_scheduled_tokens=[1] * rows,
+            prefill_len=[1] * rows,
+        )
+    assert shown in str(caught.value)
+
+
 def test_batch_facts_name_a_repeated_slot_and_a_short_array() -> None:
     with pytest.raises(InvalidInputError, match="several rows to slot 4"):
         BatchFacts(
