@@ -20,10 +20,20 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.one_rank import one_rank_world
+from purepp.effects import plan
 from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.plan import abstract
 from purepp.effects.torch_interpreter import TorchInterpreter
-from purepp.effects.vocabulary import BufferRef, Communicator, Effect, EventRef, WorkRef
+from purepp.effects.vocabulary import (
+    Alias,
+    BufferRef,
+    Communicator,
+    Effect,
+    EventRef,
+    Op,
+    Release,
+    WorkRef,
+)
 from purepp.errors import InterpreterError
 from tests import _interpreter_programs as programs
 
@@ -178,3 +188,23 @@ def test_bindings_that_do_not_fit_a_plan_get_eagers_outcome(
         assert eager_message == "performed"
     elif checked or bad != "too-wide":
         assert eager_message != "performed"
+
+
+def test_a_structure_past_its_plan_variants_still_runs_every_batch() -> None:
+    # Checked plans guard their input layouts: each new layout of one structure is a new
+    # plan, up to a bound; past it the batch runs eagerly, and is still performed.
+    interp = TorchInterpreter(device=CPU, groups={}, rank=0, checked=True, plans=True)
+    planner = interp.planner
+    assert planner is not None
+    source, out = BufferRef("caller.rows"), BufferRef("relay.kept_rows")
+    layouts = plan._VARIANTS + 3
+    for width in range(1, layouts + 1):
+        rows = torch.arange(width, dtype=torch.int32)
+        interp.bind(source, rows)
+        interp.perform((Alias(step=width, op=Op.CONSUME, source=source, out=out),))
+        assert interp.tensor(out) is rows
+        interp.perform((Release(step=width, op=Op.END_STEP, buffer=out),))
+    # Both batches read a buffer of the new layout: each has as many plans as allowed,
+    # lowered at their first meetings, and runs the layouts past them eagerly.
+    assert planner.lowered == 2 * plan._VARIANTS
+    assert planner.eager == 2 * layouts
