@@ -185,6 +185,15 @@ def test_reusing_a_graph_sync_with_a_dispatcher_that_pads_further_reports_the_pa
     assert outcome.sync == sync([8, 8], uniform=2, reqs=2)
 
 
+def test_a_reused_sync_padded_further_keeps_its_dead_ranks_at_zero() -> None:
+    coarse = attrs.evolve(SPEC, capture_sizes=(8, 16))
+    group = AgreementGroup(dp_size=3, dp_rank=0, live_ranks=frozenset({0, 2}))
+    agreed = sync([4, 0, 4], uniform=2, reqs=2)  # rank 1 died before the agreement
+    facts = RankBatch(num_reqs=2, num_tokens=4, uniform_token_count=2, dp_sync=agreed)
+    started = start_agreement(FREE, group, coarse, facts, step=7)
+    assert at_once(started).sync == sync([8, 0, 8], uniform=2, reqs=2)
+
+
 def test_a_reused_sync_supplies_the_agreed_uniform_count() -> None:
     # The ranks disagreed (None): this rank's own uniform batch must not take a decode graph.
     outcome = at_once(start(dp_sync=sync([4, 4], uniform=None, reqs=2)))
