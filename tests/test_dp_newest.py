@@ -36,7 +36,7 @@ from purepp.dp import (
 )
 from purepp.effects.arrays import IntArray
 from purepp.effects.vocabulary import AllReduce
-from purepp.errors import ConfigError
+from purepp.errors import ConfigError, InvalidInputError
 from tests.strategies import dead_rank_sets, dp_worlds, microbatch_configs, table_layouts
 
 World = tuple[CudaGraphDispatcher, list[RankBatch]]
@@ -152,6 +152,20 @@ def test_the_newest_layout_has_six_rows_and_every_rank_votes() -> None:
     assert ROW_ALLOW_UBATCHING == 4
     assert (SEED_TABLE.rows, SEED_TABLE.row_num_reqs) == (5, 4)
     assert (MICRO.rows, MICRO.row_num_reqs) == (6, 5)
+
+
+@pytest.mark.parametrize("vote", [-1, 2, 3])
+def test_a_microbatch_vote_no_rank_casts_is_refused(vote: int) -> None:
+    # Every rank votes 0 or 1 in its own column: any other vote is not a reduction.
+    group = AgreementGroup(dp_size=2, dp_rank=0, layout=MICRO)
+    started = start_agreement(FREE, group, SPEC, RankBatch(num_reqs=2, num_tokens=4), step=1)
+    pending = started.result
+    assert pending.contribution is not None
+    table = np.array(pending.contribution)
+    table[:, 1] = table[:, 0]  # rank 1 contributed what this rank did, but its vote
+    table[ROW_ALLOW_UBATCHING, 1] = vote
+    with pytest.raises(InvalidInputError, match="values no rank contributes"):
+        finish_agreement(started.state, pending, table)
 
 
 def test_ranks_that_reach_the_threshold_split_eager_padded_to_the_most_tokens() -> None:
