@@ -146,6 +146,42 @@ def test_build_communicators_rejects_a_rank_outside_the_world(
         )
 
 
+@pytest.mark.parametrize(
+    ("pp_groups", "problem"),
+    [([[]], r"PP group \(\) is empty"), ([[0, 0]], r"PP group \(0, 0\) is empty or repeats")],
+)
+def test_build_communicators_rejects_an_empty_group_or_a_repeated_rank(
+    groups: dict[Communicator, dist.ProcessGroup], pp_groups: list[list[int]], problem: str
+) -> None:
+    with pytest.raises(ConfigError, match=rf"^build_communicators: {problem}"):
+        build_communicators(
+            pp_groups=pp_groups,
+            dp_groups=[[0]],
+            relay_backend="gloo",
+            timeout=datetime.timedelta(seconds=1),
+        )
+    with pytest.raises(ConfigError, match=r"^build_communicators: timeout=0:00:00"):
+        build_communicators(
+            pp_groups=[[0]], dp_groups=[[0]], relay_backend="gloo", timeout=datetime.timedelta(0)
+        )
+
+
+@pytest.mark.parametrize(
+    ("rank", "world_size", "seconds"), [(0, 0, 1), (2, 2, 1), (-1, 2, 1), (0, 1, 0)]
+)
+def test_init_distributed_refuses_a_rank_outside_its_world_or_no_timeout(
+    rank: int, world_size: int, seconds: int
+) -> None:
+    with pytest.raises(ConfigError, match=r"^init_distributed: (rank=|timeout=)"):
+        init_distributed(
+            backend="gloo",
+            init_method="file:///nonexistent/store",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=seconds),
+        )
+
+
 def test_a_group_that_excludes_the_rank_is_rejected(
     groups: dict[Communicator, dist.ProcessGroup],
 ) -> None:
