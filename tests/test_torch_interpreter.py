@@ -22,12 +22,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.torch_interpreter import (
     TorchInterpreter,
     build_communicators,
     init_distributed,
+    section_view,
+    section_views,
     torch_dtype,
 )
 from purepp.effects.vocabulary import (
@@ -49,6 +52,7 @@ from purepp.effects.vocabulary import (
     RecordStream,
     Release,
     ScatterRows,
+    Section,
     StackRows,
     Stream,
     WaitEvent,
@@ -124,6 +128,42 @@ def int64(rows: list[list[int]]) -> torch.Tensor:
 
 def test_torch_dtype_maps_every_vocabulary_dtype() -> None:
     assert [torch_dtype(d) for d in DType] == [torch.int64, torch.int32]
+
+
+_NUMPY = {DType.INT64: np.int64, DType.INT32: np.int32}
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_section_views_read_the_bytes_each_section_names(data: st.DataObject) -> None:
+    # Either wire dtype, any aligned sections of either dtype: each view holds exactly
+    # the section's bytes, by the fast path or the general one. A strided buffer (which
+    # checked mode refuses) is read in its own dtype.
+    wire = data.draw(st.sampled_from(list(DType)))
+    words = data.draw(st.integers(2, 12))
+    values = data.draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=words, max_size=words))
+    packed = torch.tensor(values, dtype=torch_dtype(wire))
+    strided = data.draw(st.booleans())
+    if strided:  # every other word of a wider buffer
+        packed = torch.tensor([v for v in values for _ in (0, 1)], dtype=packed.dtype)[::2]
+    raw = bytes(np.array(values, dtype=_NUMPY[wire]).tobytes())
+    sections = []
+    for i in range(data.draw(st.integers(1, 4))):
+        dtype = wire if strided else data.draw(st.sampled_from(list(DType)))
+        itemsize = np.dtype(_NUMPY[dtype]).itemsize
+        fits = len(raw) // itemsize
+        count = data.draw(st.integers(1, fits))
+        start = data.draw(st.integers(0, fits - count))
+        shape = (count,) if count % 2 or data.draw(st.booleans()) else (2, count // 2)
+        buffer = BufferRef(f"section{i}")
+        sections.append(Section(buffer=buffer, offset=start * itemsize, shape=shape, dtype=dtype))
+    for section, view in zip(sections, section_views(packed, sections), strict=True):
+        size = int(np.prod(section.shape)) * np.dtype(_NUMPY[section.dtype]).itemsize
+        region = raw[section.offset : section.offset + size]
+        expected = np.frombuffer(region, dtype=_NUMPY[section.dtype]).reshape(section.shape)
+        assert view.dtype is torch_dtype(section.dtype)
+        assert view.numpy().tolist() == expected.tolist()
+        assert section_view(packed, section).numpy().tolist() == expected.tolist()
 
 
 def test_build_communicators_gives_the_relay_its_own_group(
