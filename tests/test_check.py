@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +46,7 @@ from purepp.effects.vocabulary import (
 )
 from purepp.errors import LogFormatError
 from purepp.layout import Layout
+from tests.test_simulator import waits_for_a_work, waits_through_an_event
 
 PAIR = Layout(pp=2, dp=1)  # a two-stage pipeline: ranks 0 and 1 share pp_relay
 REPLICAS = Layout(pp=1, dp=2)  # two DP replicas: ranks 0 and 1 share dp_cpu and dp_drafter_cpu
@@ -423,6 +424,22 @@ def test_two_communicators_in_opposite_orders_are_a_wait_for_cycle(tmp_path: Pat
         "  wait-for cycle: rank 0 -> dp_cpu op #0 -> rank 1 -> dp_drafter_cpu op #0 -> rank 0"
         in report.text.splitlines()
     )
+
+
+@pytest.mark.parametrize(
+    ("programs", "world"),
+    [(waits_through_an_event, Layout(pp=2, dp=1)), (waits_for_a_work, Layout(pp=1, dp=2))],
+    ids=["event", "work"],
+)
+def test_a_wait_on_an_event_or_a_work_is_replayed_as_the_simulator_runs_it(
+    tmp_path: Path, programs: Callable[..., list[list[Effect]]], world: Layout
+) -> None:
+    deadlock = finding(check_logs(write(tmp_path / "waited", world, programs())))
+    assert isinstance(deadlock, DeadlockReport)
+    assert deadlock.cycle is not None
+    assert sorted(deadlock.cycle.ranks) == [0, 1]
+    moved = check_logs(write(tmp_path / "moved", world, programs(waited=False)))
+    assert moved.ok, moved.text
 
 
 def test_a_host_synchronize_waits_for_its_stream_and_names_what_it_waits_for(

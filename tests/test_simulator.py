@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TypedDict
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -553,6 +554,72 @@ def dp_agreement(step: int, comm: Communicator, rank: int) -> AllReduce:
         comm=comm,
         work=None,
     )
+
+
+def waits_through_an_event(*, waited: bool = True) -> list[list[Effect]]:
+    """Rank 0's main stream waits for its relay receive through an event, and its host
+    for main, before an agreement; rank 1 agrees before it sends. So each waits for the
+    other, unless the wait on the event is left out (a pp 2 x dp 1 world)."""
+    received, event = BufferRef("r"), EventRef("received")
+    receive: list[Effect] = [
+        Allocate(
+            step=0,
+            op=Op.RECEIVE,
+            buffer=received,
+            shape=(4,),
+            dtype=DType.INT32,
+            stream=Stream.RELAY,
+        ),
+        int32_broadcast(Op.RECEIVE, received, shape=(4,), src=1),
+        RecordEvent(step=0, op=Op.RECEIVE, stream=Stream.RELAY, event=event),
+        WaitEvent(step=0, op=Op.CONSUME, stream=Stream.MAIN, event=event),
+        Synchronize(step=0, op=Op.CONSUME, stream=Stream.MAIN),
+        pp_cpu_agreement(0),
+    ]
+    if not waited:
+        del receive[3]
+    sent = BufferRef("s")
+    send: list[Effect] = [
+        pp_cpu_agreement(0),
+        Allocate(
+            step=0, op=Op.BROADCAST, buffer=sent, shape=(4,), dtype=DType.INT32, stream=Stream.RELAY
+        ),
+        int32_broadcast(Op.BROADCAST, sent, shape=(4,), src=1),
+    ]
+    return [receive, send]
+
+
+def waits_for_a_work(*, waited: bool = True) -> list[list[Effect]]:
+    """Rank 0's host waits for the target lane's asynchronous agreement before the
+    drafter's; rank 1 takes the drafter's first. So each waits for the other, unless
+    rank 0 waits for its work last (a pp 1 x dp 2 world)."""
+    target, drafter = Communicator.DP_CPU, Communicator.DP_DRAFTER_CPU
+    works = WorkRef("target.0"), WorkRef("target.1")
+    asynchronous = [attrs.evolve(dp_agreement(0, target, r), work=works[r]) for r in (0, 1)]
+    waits = [WaitWork(step=0, op=Op.AGREE, work=work) for work in works]
+    rank0: list[Effect] = [asynchronous[0], waits[0], dp_agreement(0, drafter, 0)]
+    if not waited:
+        rank0 = [asynchronous[0], dp_agreement(0, drafter, 0), waits[0]]
+    return [rank0, [dp_agreement(0, drafter, 1), asynchronous[1], waits[1]]]
+
+
+@pytest.mark.parametrize(
+    ("programs", "world"),
+    [(waits_through_an_event, Layout(pp=2, dp=1)), (waits_for_a_work, Layout(pp=1, dp=2))],
+)
+def test_a_wait_on_an_event_or_a_work_is_a_wait_on_the_peers_behind_it(
+    programs: Callable[..., list[list[Effect]]], world: Layout
+) -> None:
+    def run(per_rank: list[list[Effect]]) -> None:
+        simulate(world, scripted({rank: [tuple(effects)] for rank, effects in enumerate(per_rank)}))
+
+    with pytest.raises(CollectiveMismatchError) as error:
+        run(programs())
+    report = report_of(error)
+    assert isinstance(report, DeadlockReport)
+    assert report.cycle is not None
+    assert sorted(report.cycle.ranks) == [0, 1]
+    run(programs(waited=False))  # the same collectives, the wait moved: no cycle
 
 
 def test_the_drafter_lane_taken_before_the_target_lane_on_one_replica_is_a_cycle() -> None:
