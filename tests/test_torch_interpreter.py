@@ -222,6 +222,17 @@ def test_init_distributed_refuses_a_rank_outside_its_world_or_no_timeout(
         )
 
 
+def test_the_interpreter_refuses_a_device_it_cannot_use_and_no_graph_copies() -> None:
+    with pytest.raises(ConfigError, match=r"^TorchInterpreter: device meta"):
+        TorchInterpreter(device=torch.device("meta"), groups={}, rank=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"^TorchInterpreter: device cuda.* unavailable"):
+            TorchInterpreter(device=torch.device("cuda"), groups={}, rank=0)
+    with pytest.raises(ConfigError, match=r"^TorchInterpreter: capture_copies=0"):
+        TorchInterpreter(device=CPU, groups={}, rank=0, capture_copies=0)
+    TorchInterpreter(device=CPU, groups={}, rank=0, capture_copies=1)
+
+
 def test_a_group_that_excludes_the_rank_is_rejected(
     groups: dict[Communicator, dist.ProcessGroup],
 ) -> None:
