@@ -146,6 +146,19 @@ def test_a_single_rank_decides_at_once_with_no_effect_and_no_sync() -> None:
     assert at_once(started) == DispatchOutcome(descriptor=desc(FULL, 4, 2, uniform=2), sync=None)
 
 
+def test_start_is_synchronous_unless_asked_and_names_a_wrong_argument() -> None:
+    group = AgreementGroup(dp_size=2, dp_rank=0)
+    facts = batch(2, 4, 2)
+    (effect,) = start_agreement(FREE, group, SPEC, facts, step=3).effects
+    assert isinstance(effect, AllReduce)
+    assert effect.work is None  # the seed's blocking all-reduce unless asynchronous=True
+    for wrong, name in ((FREE, "batch"), (group, "lanes"), (facts, "group")):
+        args: list[Any] = [FREE, group, SPEC, facts]
+        args[{"lanes": 0, "group": 1, "batch": 3}[name]] = wrong
+        with pytest.raises(InvalidInputError, match=rf"^start_agreement: {name}=.* is not an"):
+            start_agreement(*args, step=3)
+
+
 def test_a_start_that_decides_at_once_still_occupies_its_lane_until_finished() -> None:
     started = start(dp_size=1)
     assert started.state == AgreementLanes(target=7)
