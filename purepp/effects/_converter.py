@@ -28,7 +28,7 @@ from typing import Any, Final, get_args, get_origin
 import attrs
 import cattrs
 import numpy as np
-from cattrs.gen import make_dict_structure_fn
+from cattrs.gen import make_dict_structure_fn, override
 from cattrs.strategies import configure_tagged_union
 from cattrs.v import format_exception
 
@@ -281,7 +281,18 @@ def _structure_attrs_factory(
 ) -> Callable[[object, type], Any]:
     # cattrs' generated function indexes into the value; a list there would surface
     # as an AttributeError, so say plainly that an object was expected.
-    generated: Callable[[Mapping[str, Any], type], Any] = make_dict_structure_fn(cls, converter)
+    # Enum fields take `_structure_enum` by name: cattrs 25 builds enums inline in the
+    # generated function, past the converter's hooks, with a message that omits the
+    # allowed values (cattrs 26 asks the hook).
+    hints = typing.get_type_hints(cls)
+    enums: dict[str, Any] = {  # field name -> override, as make_dict_structure_fn takes them
+        field.name: override(struct_hook=_structure_enum)
+        for field in attrs.fields(cls)
+        if isinstance(hints.get(field.name), type) and issubclass(hints[field.name], enum.Enum)
+    }
+    generated: Callable[[Mapping[str, Any], type], Any] = make_dict_structure_fn(
+        cls, converter, **enums
+    )
 
     def structure(value: object, _: type) -> Any:
         if type(value) is not dict:
