@@ -73,7 +73,7 @@ def _mutations(node: ast.AST) -> Iterator[tuple[str, str, Mutation]]:
         yield "boolop", f"{type(node.op).__name__} flip", lambda: _set(node, "op", other)
     elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
         double = ast.copy_location(ast.UnaryOp(op=ast.Not(), operand=node.operand), node)
-        yield "not", "drop not", lambda: _set(node, "operand", double)
+        yield "not", "dropped", lambda: _set(node, "operand", double)
     elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub):
         swapped: ast.operator = ast.Sub() if isinstance(node.op, ast.Add) else ast.Add()
         yield "binop", f"{type(node.op).__name__} flip", lambda: _set(node, "op", swapped)
@@ -84,7 +84,7 @@ def _mutations(node: ast.AST) -> Iterator[tuple[str, str, Mutation]]:
         yield "const", f"{node.value}->{bumped}", lambda: _set(node, "value", bumped)
     elif isinstance(node, ast.If):
         negated = ast.copy_location(ast.UnaryOp(op=ast.Not(), operand=node.test), node.test)
-        yield "if", "negate if", lambda: _set(node, "test", negated)
+        yield "if", "negated", lambda: _set(node, "test", negated)
 
 
 def sites(tree: ast.AST, kinds: set[str]) -> list[tuple[int, int, str, Mutation]]:
