@@ -25,7 +25,7 @@ from purepp.effects.arrays import is_frozen
 from purepp.effects.io import NumpyIO
 from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.simulator import RankContext, simulate
-from purepp.effects.vocabulary import BufferRef, DType, Effect, EventRef, TensorSpec
+from purepp.effects.vocabulary import Broadcast, BufferRef, DType, Effect, EventRef, TensorSpec
 from purepp.errors import InvalidInputError, PureppError
 from purepp.layout import Layout
 from purepp.rank import (
@@ -48,6 +48,7 @@ from purepp.relay import (
     broadcast_drafts,
     broadcast_sampled,
     consume_previous_step,
+    default_buckets,
     end_step,
     free_request_slot,
     free_request_slots,
@@ -529,6 +530,42 @@ def test_finish_refuses_a_last_stage_without_sampled_outputs() -> None:
     sampled = Sampled(tokens=arrays[0], num_sampled=arrays[1], num_rejected=arrays[1] - 1)
     with pytest.raises(PureppError, match="no draft table"):
         run_phase(finish(LAST, agreed, io, sampled))
+
+
+@pytest.mark.parametrize("spec", [0, 1])
+def test_a_fixed_wire_last_stage_sends_an_empty_batch_without_sampled_outputs(spec: int) -> None:
+    # The fixed wire broadcasts every step, so its receivers post the same receives.
+    relay = RelayConfig(  # the last stage as global rank 0: the lone interpreter's rank
+        pp_size=2,
+        stage=1,
+        last_rank=0,
+        max_num_reqs=4,
+        num_speculative_steps=spec,
+        wire=Wire.FIXED,
+        buckets=default_buckets(4),
+    )
+    last = RankConfig(relay=relay)
+    empty = BatchFacts(
+        idx_mapping=[], num_computed_tokens=[], num_scheduled_tokens=[], prefill_len=[]
+    )
+    begun = run_phase(begin(last, init_rank(last)))
+    agreed = run_phase(agree(last, begun, empty, SHAPE, numpy_io()))
+    effects = [e for batch in finish(last, agreed, numpy_io()) for e in batch]
+    assert [type(e) for e in effects if isinstance(e, Broadcast)] == [Broadcast]
+    assert run_phase(finish(last, agreed, numpy_io())).relay.step == 1
+
+
+def test_rank_facts_take_int32_counts_and_only_receivers_with_drafts_update_them() -> None:
+    top = 2**31 - 1
+    assert ShapeFacts(num_tokens=top, uniform_token_count=top, max_query_len=top).num_tokens == top
+    for field in ("num_tokens", "uniform_token_count", "max_query_len"):
+        with pytest.raises(InvalidInputError, match=rf"^ShapeFacts: {field}={top + 1}"):
+            ShapeFacts(**{"num_tokens": 1, field: top + 1})  # type: ignore[arg-type]
+    for stage, spec, updates in ((0, 0, False), (0, 1, True), (1, 1, False)):
+        relay = RelayConfig.for_stage(
+            pp_size=2, stage=stage, max_num_reqs=4, num_speculative_steps=spec
+        )
+        assert RankConfig(relay=relay).updates_drafts is updates
 
 
 def test_a_group_of_one_decides_without_a_collective() -> None:
