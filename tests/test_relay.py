@@ -787,7 +787,7 @@ GOOD = {
 }
 
 
-def config_with(changes: dict[str, int]) -> RelayConfig:
+def config_with(changes: dict[str, int], **options: Any) -> RelayConfig:
     values = GOOD | changes
     return RelayConfig(
         pp_size=values["pp_size"],
@@ -795,6 +795,7 @@ def config_with(changes: dict[str, int]) -> RelayConfig:
         last_rank=values["last_rank"],
         max_num_reqs=values["max_num_reqs"],
         num_speculative_steps=values["num_speculative_steps"],
+        **options,
     )
 
 
@@ -844,14 +845,7 @@ def test_relay_config_defaults_are_the_seeds_behaviour() -> None:
 @pytest.mark.parametrize("keys", [["aux_0"], ("aux_0", 3), "aux_0"])
 def test_relay_config_refuses_aux_keys_that_are_not_a_tuple_of_names(keys: object) -> None:
     with pytest.raises(ConfigError, match=r"^RelayConfig: aux_hidden_state_keys="):
-        RelayConfig(
-            pp_size=2,
-            stage=0,
-            last_rank=1,
-            max_num_reqs=8,
-            num_speculative_steps=0,
-            aux_hidden_state_keys=keys,  # type: ignore[arg-type]
-        )
+        config_with({}, aux_hidden_state_keys=keys)
 
 
 @pytest.mark.parametrize("buckets", [(8, 4), (2, 2, 8), (2, 4)])
@@ -861,15 +855,7 @@ def test_the_fixed_wire_refuses_buckets_out_of_order_or_short_of_max_num_reqs(
     # (8, 4) and (2, 2, 8) reach max_num_reqs but are not increasing; (2, 4) falls short.
     shown = re.escape(f"buckets={buckets} with max_num_reqs=8")
     with pytest.raises(ConfigError, match=rf"^RelayConfig: {shown}"):
-        RelayConfig(
-            pp_size=2,
-            stage=0,
-            last_rank=1,
-            max_num_reqs=8,
-            num_speculative_steps=0,
-            wire=Wire.FIXED,
-            buckets=buckets,
-        )
+        config_with({}, wire=Wire.FIXED, buckets=buckets)
 
 
 @pytest.mark.parametrize(
