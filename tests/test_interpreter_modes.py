@@ -26,6 +26,7 @@ from purepp.effects.plan import abstract
 from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.effects.vocabulary import (
     Alias,
+    AllReduce,
     BufferRef,
     Communicator,
     Effect,
@@ -69,7 +70,12 @@ def bind_torch(interp: TorchInterpreter) -> programs.Bind:
 
 def snapshot_torch(interp: TorchInterpreter) -> Snapshot:
     names = interp.bound_refs()
-    values = {ref.name: interp.tensor(ref).tolist() for ref in names if isinstance(ref, BufferRef)}
+    pending = interp.env.pending_results  # an all-reduce's table: unreadable until waited
+    values = {
+        ref.name: ["in flight"] if ref in pending else interp.tensor(ref).tolist()
+        for ref in names
+        if isinstance(ref, BufferRef)
+    }
     return names, values
 
 
@@ -150,7 +156,15 @@ def _outcome(interp: TorchInterpreter, batch: tuple[Effect, ...]) -> tuple[str, 
 
 @pytest.mark.parametrize("checked", [True, False], ids=["checked", "fast"])
 @pytest.mark.parametrize(
-    "bad", ["too-wide", "unbound-input", "made-name-bound", "non-contiguous-input"]
+    "bad",
+    [
+        "too-wide",
+        "unbound-input",
+        "made-name-bound",
+        "non-contiguous-input",
+        "input-pending",
+        "made-name-pending",
+    ],
 )
 def test_bindings_that_do_not_fit_a_plan_get_eagers_outcome(
     groups: dict[Communicator, dist.ProcessGroup], checked: bool, bad: str
@@ -174,6 +188,21 @@ def test_bindings_that_do_not_fit_a_plan_get_eagers_outcome(
         elif bad == "non-contiguous-input":  # the plan was lowered over a contiguous one
             wide = torch.ones((n, 6), dtype=torch.int64)
             interp.bind(programs.SAMPLED, wide[:, :3])  # rows 6 apart: not contiguous
+        elif bad in ("input-pending", "made-name-pending"):
+            # The name is the result of an all-reduce still in flight (nobody waited).
+            name = programs.SAMPLED if bad == "input-pending" else programs.ref(step, "counts")
+            interp.env.buffers.pop(name, None)
+            if bad == "made-name-pending":
+                bind(programs.SAMPLED, np.ones((n, 3), dtype=np.int64))
+            table = AllReduce(
+                step=step,
+                op=Op.AGREE,
+                contribution=programs.contribution(step),
+                result=name,
+                comm=Communicator.DP_CPU,
+                work=WorkRef("in-flight"),
+            )
+            interp.perform((table,))
         else:
             bind(programs.SAMPLED, np.ones((n, 3), dtype=np.int64))
             bind(programs.ref(step, "counts"), np.zeros((2, n), dtype=np.int32))
