@@ -28,12 +28,18 @@ from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.effects.vocabulary import (
     BufferRef,
     Communicator,
+    DType,
     Effect,
     Op,
+    Pack,
+    Release,
     ScatterRows,
+    Section,
+    StackRows,
     Stream,
     Synchronize,
 )
+from purepp.errors import InterpreterError
 from tests import _interpreter_programs as programs
 
 pytestmark = [
@@ -158,3 +164,49 @@ def test_the_scatter_makes_no_host_sync_in_either_mode() -> None:
         expected = np.full((8, 3), -1)
         expected[[6, 0, 3]] = np.arange(15).reshape(5, 3)[[0, 2, 4]]
         np.testing.assert_array_equal(table.cpu().numpy(), expected)
+
+
+def test_checked_mode_on_cuda_validates_before_it_runs_a_kernel() -> None:
+    device = torch.device("cuda", 0)
+    interp = TorchInterpreter(device=device, groups={}, rank=0, checked=True)
+    first, second, out = BufferRef("first"), BufferRef("second"), BufferRef("stacked")
+    interp.bind(first, torch.zeros(3, dtype=torch.int32, device=device))
+    interp.bind(second, torch.zeros(2, dtype=torch.int32, device=device))
+    stack = StackRows(step=0, op=Op.CONSUME, sources=(first, second), out=out, stream=Stream.MAIN)
+    with pytest.raises(InterpreterError, match="1-D buffers of equal length and dtype"):
+        interp.perform((stack,))
+    assert out not in interp.bound_refs()
+
+
+def test_relay_kernels_run_on_the_relay_stream_while_main_is_busy() -> None:
+    # Main sleeps; a Pack on the relay stream must run at once, not queue behind it.
+    device = torch.device("cuda", 0)
+    interp = TorchInterpreter(device=device, groups={}, rank=0)
+    source, out = BufferRef("tokens"), BufferRef("wire")
+    interp.bind(source, torch.arange(1, 5, dtype=torch.int64, device=device))
+    torch.cuda.synchronize()
+    pack = Pack(
+        step=0,
+        op=Op.BROADCAST,
+        sections=(Section(buffer=source, offset=0, shape=(4,), dtype=DType.INT64),),
+        out=out,
+        nbytes=32,
+        stream=Stream.RELAY,
+    )
+    # Allocations first: a first pinned or device allocation may synchronise the device.
+    # The warm-up packs zeros, so memory it leaves behind cannot pass for the result.
+    host = torch.empty(4, dtype=torch.int64, pin_memory=True)
+    tokens = interp.tensor(source)
+    interp.bind(source, torch.zeros_like(tokens))
+    interp.perform((pack, Release(step=0, op=Op.END_STEP, buffer=out)))
+    interp.bind(source, tokens)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # type: ignore[attr-defined]  # ~0.5 s of main
+    interp.perform((pack,))
+    relay = interp.cuda_stream(Stream.RELAY)
+    with torch.cuda.stream(relay):
+        host.copy_(interp.tensor(out), non_blocking=True)
+    relay.synchronize()
+    assert not torch.cuda.current_stream().query()  # main is still asleep
+    assert host.tolist() == [1, 2, 3, 4]
+    torch.cuda.synchronize()
