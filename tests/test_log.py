@@ -55,6 +55,7 @@ from purepp.effects.vocabulary import (
 )
 from purepp.errors import ConfigError, InterpreterError, InvalidInputError, LogFormatError
 from purepp.layout import Layout
+from tests.regen_golden import GOLDEN_DIR
 from tests.strategies import effect_logs, effects_of, json_objects, layouts, log_headers
 
 # -- a small realistic log --------------------------------------------------------
@@ -846,6 +847,20 @@ def test_a_scan_gives_every_record_that_loading_gives(tmp_path: Path) -> None:
     assert [e for _, _, e, _ in scanned] == [
         None if isinstance(e, WaitStream) else e for e in log.effects
     ]
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(GOLDEN_DIR.glob("*/rank-*.jsonl")),
+    ids=lambda path: f"{path.parent.name}/{path.name}",
+)
+def test_a_scan_of_every_golden_log_builds_what_loading_builds(path: Path) -> None:
+    # Every kind of record the relay and the agreement write, over enough steps that
+    # most lines are built from a template: each must equal its line read in full.
+    loaded = load_log(path).effects
+    scanned = list(LogStream(path).scan(frozenset()))  # no local kinds: every record built
+    assert [(step, count) for step, _, _, count in scanned] == [(e.step, 1) for e in loaded]
+    assert [effect for _, _, effect, _ in scanned] == list(loaded)
 
 
 def test_a_scan_counts_a_run_of_local_records_of_one_step_as_one_item(tmp_path: Path) -> None:
