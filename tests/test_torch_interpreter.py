@@ -649,6 +649,22 @@ def test_async_all_reduce_is_readable_only_after_its_wait(interp: TorchInterpret
         interp.perform((WaitWork(**TAG, work=work),))
 
 
+def test_a_work_name_in_flight_is_not_reused_by_either_interpreter(
+    interp: TorchInterpreter,
+) -> None:
+    # The second all-reduce would lose the first one's handle: refused, as numpy does.
+    work = WorkRef("agree")
+    interp.perform((all_reduce([[1], [0], [0], [-1], [1]], work),))
+    again = attrs.evolve(all_reduce([[2], [0], [0], [-1], [1]], work), result=C)
+    with pytest.raises(InterpreterError, match="work 'agree' is already in flight"):
+        interp.perform((again,))
+    reference = NumpyInterpreter(rank=0)
+    reference.perform((all_reduce([[1], [0], [0], [-1], [1]], work),))
+    with pytest.raises(InterpreterError, match="work 'agree' is already in flight"):
+        reference.perform((again,))
+    interp.perform((WaitWork(**TAG, work=work),))
+
+
 # ---- GPU: a steady-state step makes no device-to-host synchronisation -------------------
 
 
