@@ -152,9 +152,9 @@ def test_start_is_synchronous_unless_asked_and_names_a_wrong_argument() -> None:
     (effect,) = start_agreement(FREE, group, SPEC, facts, step=3).effects
     assert isinstance(effect, AllReduce)
     assert effect.work is None  # the seed's blocking all-reduce unless asynchronous=True
-    for wrong, name in ((FREE, "batch"), (group, "lanes"), (facts, "group")):
+    for position, name, wrong in ((0, "lanes", group), (1, "group", facts), (3, "batch", FREE)):
         args: list[Any] = [FREE, group, SPEC, facts]
-        args[{"lanes": 0, "group": 1, "batch": 3}[name]] = wrong
+        args[position] = wrong
         with pytest.raises(InvalidInputError, match=rf"^start_agreement: {name}=.* is not an"):
             start_agreement(*args, step=3)
 

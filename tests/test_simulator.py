@@ -572,12 +572,10 @@ def waits_through_an_event(*, waited: bool = True) -> list[list[Effect]]:
         ),
         int32_broadcast(Op.RECEIVE, received, shape=(4,), src=1),
         RecordEvent(step=0, op=Op.RECEIVE, stream=Stream.RELAY, event=event),
-        WaitEvent(step=0, op=Op.CONSUME, stream=Stream.MAIN, event=event),
+        *([WaitEvent(step=0, op=Op.CONSUME, stream=Stream.MAIN, event=event)] if waited else []),
         Synchronize(step=0, op=Op.CONSUME, stream=Stream.MAIN),
         pp_cpu_agreement(0),
     ]
-    if not waited:
-        del receive[3]
     sent = BufferRef("s")
     send: list[Effect] = [
         pp_cpu_agreement(0),
