@@ -1228,3 +1228,32 @@ def test_the_hub_reports_exactly_what_check_posts_finds_in_the_posts_so_far(
             hub.post(posted)
         assert error.value.report == expected
         return
+
+
+def test_a_post_waits_for_peers_that_have_not_posted_or_are_not_at_their_streams_head() -> None:
+    # The deadlock report's wait-for edges: a peer that posted the op but still has
+    # earlier work on its stream blocks the op as much as one that never posted it.
+    world = Layout(pp=3, dp=1)
+    hub = CollectiveHub(world, call="test")
+    instance = comm_instance(world, 0, Communicator.PP_RELAY)
+    effect = _broadcast(0, Op.RECEIVE, BufferRef("b"), (2,), 2)
+    posts = [PostedCollective(rank, effect, np.zeros(2, dtype=np.int64)) for rank in range(3)]
+
+    def waited_peers() -> list[int]:
+        edges = hub.waits_for(posts[0])
+        assert all((e.rank, e.via, e.seq) == (0, instance, 0) for e in edges)
+        return [e.peer for e in edges]
+
+    hub.post(posts[0])
+    posts[0].at_head = True
+    hub.reach_head(posts[0])
+    assert waited_peers() == [1, 2]  # neither peer has posted
+    hub.post(posts[1])
+    assert waited_peers() == [1, 2]  # rank 1 posted, behind earlier work on its stream
+    posts[1].at_head = True
+    hub.reach_head(posts[1])
+    assert waited_peers() == [2]
+    hub.post(posts[2])
+    posts[2].at_head = True
+    hub.reach_head(posts[2])
+    assert all(post.done for post in posts)
