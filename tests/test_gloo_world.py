@@ -19,6 +19,7 @@ import torch
 from purepp.effects.log import EffectLog, Recorder, assert_logs_equal
 from purepp.effects.torch_interpreter import Backend, TorchInterpreter, build_communicators
 from purepp.effects.vocabulary import Effect
+from purepp.errors import ConfigError
 from purepp.relay import Wire
 from purepp.testing import (
     RankOutputs,
@@ -145,3 +146,33 @@ def test_nccl_ranks_consume_and_record_what_the_simulator_does(config: ScheduleC
     # Also: after warm-up no performed effect synchronises the host (NoSyncPerform), the
     # header's device-side check included.
     check_world(config, "nccl")
+
+
+def run_one_rank_world(ctx: RankContext) -> tuple[RankOutputs, list[str]]:
+    """Run a one-rank schedule with the interpreter performing; collect two refusals."""
+    schedule = make_schedule(ScheduleConfig(pp=1, dp=1, spec=1, steps=8, seed=5))
+    groups = build_communicators(
+        pp_groups=schedule.world.pp_groups,
+        dp_groups=schedule.world.dp_groups,
+        relay_backend=ctx.backend,
+        timeout=ctx.timeout,
+    )
+    interpreter = TorchInterpreter(device=ctx.device, groups=groups, rank=ctx.rank)
+    refused = []
+    other = make_schedule(ScheduleConfig(pp=2, dp=1, spec=1, steps=8, seed=5))
+    for world, rank, wrong in ((other.world, 0, schedule), (schedule.world, 1, schedule)):
+        try:
+            run_scripted_rank(interpreter, world, rank, wrong)
+        except ConfigError as error:
+            refused.append(str(error))
+    return run_scripted_rank(interpreter, schedule.world, ctx.rank, schedule), refused
+
+
+def test_a_scripted_rank_performs_on_its_interpreter_and_refuses_another_world_or_rank() -> None:
+    [(outputs, refused)] = run_ranks(run_one_rank_world, 1, deadline_s=60.0)
+    schedule = make_schedule(ScheduleConfig(pp=1, dp=1, spec=1, steps=8, seed=5))
+    assert outputs == simulate_schedule(schedule).outputs[0]
+    assert len(outputs.agreed) == 8
+    assert len(refused) == 2
+    assert "world pp=2, dp=1 but the schedule's is pp=1, dp=1" in refused[0]
+    assert "the interpreter is rank 0's, asked to run rank 1" in refused[1]

@@ -227,3 +227,57 @@ def test_bad_configs_and_ranks_are_refused() -> None:
     schedule = make_schedule(ScheduleConfig(pp=2, dp=1, spec=0, steps=2, seed=0))
     with pytest.raises(InvalidInputError, match="rank 2 is outside a world of 2"):
         scripted_rank_effects(schedule, 2, NumpyTensors(NumpyInterpreter()))
+
+
+@settings(max_examples=40, deadline=None)
+@given(config=schedule_configs(steps=24))
+def test_every_step_is_one_a_scheduler_and_a_sampler_could_produce(
+    config: ScheduleConfig,
+) -> None:
+    # The oracle above trusts the schedule; these are the schedule's own promises: chunked
+    # prefills that end at the prompt, decodes of 1 + spec tokens, sampler outputs of a
+    # valid shape and count, tokens that name their step and row, and slots that change
+    # hands only through a free.
+    schedule = make_schedule(config)
+    seen_tokens: set[int] = set()
+    for replica in range(config.dp):
+        progress: dict[int, int] = {}  # request -> tokens computed after its last row
+        holder: dict[int, int] = {}  # slot -> the request that last held it
+        for step in range(config.steps):
+            planned = schedule.at(step, replica)
+            for slot in planned.freed:
+                holder.pop(slot)
+            batch, n = planned.batch, planned.batch.num_reqs
+            rows = zip(
+                planned.request_ids,
+                batch.idx_mapping.tolist(),
+                batch.num_computed_tokens.tolist(),
+                batch.num_scheduled_tokens.tolist(),
+                batch.prefill_len.tolist(),
+                strict=True,
+            )
+            decodes = 0
+            for request, slot, computed, scheduled, prompt in rows:
+                assert holder.setdefault(slot, request) == request, (step, slot)
+                assert computed == progress.get(request, 0), (step, request)
+                assert 0 < prompt <= config.max_prompt_len
+                if computed < prompt:  # a prefill chunk, ending at the prompt at most
+                    assert 0 < scheduled <= min(config.chunk_size, prompt - computed)
+                    progress[request] = computed + scheduled
+                else:  # a decode: one token kept on this schedule's scripted sampler
+                    assert scheduled == 1 + config.spec
+                    progress[request] = computed + 1
+                    decodes += 1
+            width = 1 + config.spec if decodes else 1
+            assert planned.sampled_tokens.shape == (n, width)
+            assert planned.drafts.shape == (n, config.spec)
+            assert ((planned.num_sampled >= 1) & (planned.num_sampled <= width)).all()
+            assert (planned.num_rejected == width - planned.num_sampled).all()
+            tokens = [*planned.sampled_tokens.ravel().tolist(), *planned.drafts.ravel().tolist()]
+            assert min(tokens, default=1) > 0
+            assert seen_tokens.isdisjoint(tokens)
+            assert len(set(tokens)) == len(tokens)
+            seen_tokens.update(tokens)
+            assert planned.num_tokens == int(batch.num_scheduled_tokens.sum())
+            uniform = 1 + config.spec if n and decodes == n else None
+            assert planned.uniform_token_count == uniform

@@ -57,6 +57,23 @@ def test_a_sequence_that_ends_early_says_so() -> None:
         assert_effect_sequence(effects[:2], [WaitStream, Allocate, Alias])
 
 
+def test_a_sequence_that_runs_on_says_nothing_more_was_expected() -> None:
+    effects = _receive_effects()
+    with pytest.raises(AssertionError) as caught:
+        assert_effect_sequence(effects, list(effects[:-1]))
+    assert "differs at effect 9 of 10; next expected: nothing more" in str(caught.value)
+
+
+def test_a_mismatch_names_an_expected_predicate_or_shows_an_expected_effect() -> None:
+    effects = _receive_effects()
+    with pytest.raises(AssertionError) as caught:
+        assert_effect_sequence(effects, [_is_relay_wait, _is_relay_wait])
+    assert "next expected: an effect satisfying _is_relay_wait" in str(caught.value)
+    with pytest.raises(AssertionError) as caught:
+        assert_effect_sequence(effects, [effects[1]])
+    assert f"next expected: {effects[1]!r}" in str(caught.value)
+
+
 @pytest.mark.parametrize(("pp", "dp"), [(1, 2), (2, 2), (1, 3)])
 def test_every_rank_agrees_the_same_step_shapes_with_the_newest_six_row_table(
     pp: int, dp: int
