@@ -233,6 +233,8 @@ def test_a_digest_names_the_config_as_json() -> None:
     assert config_digest({"a": 1, "b": [1, 2]}) == config_digest({"b": [1, 2], "a": 1})
     assert config_digest({"a": 1}) != config_digest({"a": 1.0})
     assert config_digest({"a": 1}).startswith("sha256:")
+    # Text outside ASCII is escaped, so one config has one spelling and one digest.
+    assert config_digest({"model": "Qwen-é"}) != config_digest({"model": "Qwen-e"})
 
 
 def test_a_missing_rank_and_an_empty_folder_are_unusable(tmp_path: Path) -> None:

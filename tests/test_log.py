@@ -377,6 +377,21 @@ BAD_LOGS: dict[str, tuple[Mutation, int, str]] = {
         6,
         "record.effect.contribution",
     ),
+    "array object with an extra key": (
+        edit(6, lambda r: r["effect"]["contribution"].update(dtype="int32")),
+        6,
+        r'expected an array object \{"shape": \[...\], "values": \[...\]\}, got an object',
+    ),
+    "array shape negative": (
+        edit(6, lambda r: r["effect"]["contribution"].update(shape=[2, -2])),
+        6,
+        r"expected a shape: a list of integers >= 0, got a list \[2, -2\]",
+    ),
+    "array shape of floats": (
+        edit(6, lambda r: r["effect"]["contribution"].update(shape=[2.0, 2])),
+        6,
+        r"expected a shape: a list of integers >= 0, got a list \[2.0, 2\]",
+    ),
     "array value outside int32": (
         edit(8, lambda r: r["effect"]["source"].update(values=[[1, 2], [3, 2**31]])),
         8,
