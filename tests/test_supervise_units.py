@@ -1,0 +1,711 @@
+"""The run supervisor's decisions, without a run: which rank a report names and how,
+when a silent or stuck rank is reported, how processes are stopped, the log folder's
+lock, the temporary folder, the signals that stop a run, and the options the ranks
+and the reference are started with.
+
+Stand-in rank processes are small Python sleepers in their own sessions (as the real
+ranks are); worlds are built bare, with their beats set by hand, so each decision is
+checked at exact times instead of waiting for them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import attrs
+import pytest
+
+from purepp.runner import supervise
+from purepp.runner.exit_codes import RankExit
+from purepp.runner.options import OptionParser, UsageError, add_run_options, settings_from_args
+from purepp.runner.progress import Beat
+from purepp.runner.settings import RunSettings
+from purepp.runner.supervise import (
+    Interrupted,
+    _blame_order,
+    _check_devices,
+    _die_with_parent,
+    _is_stopped,
+    _log_dir_lock,
+    _one_line,
+    _Rank,
+    _reference_world,
+    _show_progress,
+    _signals_stop_the_run,
+    _stop,
+    _temporary_folder,
+    _World,
+    worker_argv,
+)
+
+SLEEPER = "import time; time.sleep(600)"
+# Ignores SIGTERM, then says so: only SIGKILL ends it.
+STUBBORN = (
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(600)\n"
+)
+WAIT_S = 30.0  # generous: how long a test waits for the kernel or a child to act
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Stand-in processes, each killed (and reaped) after the test whatever happened."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def _start(
+    processes: list[subprocess.Popen[bytes]], code: str = SLEEPER, *, talks: bool = False
+) -> subprocess.Popen[bytes]:
+    """A stand-in running `code`; `talks`: its stdout is a pipe the test reads."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE if talks else subprocess.DEVNULL,
+        start_new_session=True,  # as a rank: its own process group, for killpg
+    )
+    processes.append(process)
+    return process
+
+
+def _exited(processes: list[subprocess.Popen[bytes]], code: int) -> subprocess.Popen[bytes]:
+    """A process that has ended with `code` (negative: killed by that signal)."""
+    if code < 0:
+        process = _start(processes, f"import os; os.kill(os.getpid(), {-code})")
+    else:
+        process = _start(processes, f"import sys; sys.exit({code})")
+    process.wait()
+    return process
+
+
+def _rank(
+    tmp_path: Path,
+    rank: int,
+    process: subprocess.Popen[bytes],
+    beat: Beat | None = None,
+    *,
+    beat_at: float = 0.0,
+    done_at: float = 0.0,
+    stderr: str = "",
+) -> _Rank:
+    """A rank whose last beat (read at `beat_at`, its steps last advanced at `done_at`)
+    is `beat`; its beat file does not exist, so observing keeps that beat."""
+    stderr_path = tmp_path / f"rank{rank}.stderr"
+    stderr_path.write_text(stderr)
+    entry = _Rank(rank, process, stderr_path, tmp_path / "progress" / f"rank{rank}")
+    entry.beat = beat
+    entry.beat_changed_at = beat_at
+    entry.done_changed_at = done_at
+    return entry
+
+
+def _world(
+    ranks: list[_Rank], *, name: str = "run", least_done: int = -1, least_done_at: float = 0.0
+) -> _World:
+    """A world over `ranks` as `_World` keeps one, without starting rank processes."""
+    world = _World.__new__(_World)
+    world.name = name
+    world.work = Path("unused")
+    world.started_at = 0.0
+    world.ranks = ranks
+    world._least_done = least_done
+    world._least_done_at = least_done_at
+    return world
+
+
+def _wait_until_stopped(pid: int, stopped: bool) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while _is_stopped(pid) != stopped:
+        assert time.monotonic() < deadline, f"pid {pid} never became stopped={stopped}"
+        time.sleep(0.01)
+
+
+def _gone(pid: int) -> bool:
+    """Whether `pid` has ended (reaped, or a zombie nobody reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+
+
+def _wait_until(condition_met: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition_met():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+# -- which exit a report names ------------------------------------------------------------
+
+
+def test_a_named_cause_comes_first_then_a_signal_then_a_crash_then_the_peers() -> None:
+    order = [
+        _blame_order(RankExit.PUREPP_ERROR),
+        _blame_order(-signal.SIGKILL),
+        _blame_order(1),
+        _blame_order(RankExit.PEER_FAILURE),
+    ]
+    assert order == sorted(order)
+    assert len(set(order)) == 4
+    assert _blame_order(RankExit.PARENT_GONE) == _blame_order(RankExit.PEER_FAILURE)
+
+
+def test_a_ranks_message_is_its_own_last_line_without_prefixes_or_source_paths() -> None:
+    stderr = (
+        "Traceback (most recent call last):\n"
+        "[rank2]: purepp: rank 2: relay step 4: header [4, 2] expected [4, 3]. Fix: x\n"
+        "[rank2]:[W pair.cc:12] a warning torch printed afterwards\n"
+        "\n"
+    )
+    assert _one_line(stderr) == "relay step 4: header [4, 2] expected [4, 3]. Fix: x"
+    crash = (
+        "Traceback (most recent call last):\n"
+        '  File "/x/loop.py", line 3, in run\n'
+        "RuntimeError: [../third_party/gloo/transport/tcp/pair.cc:446] boom\n\n"
+    )
+    assert _one_line(crash) == "RuntimeError: boom"
+    assert _one_line("") == "(no message)"
+    assert _one_line("\n  \n") == "(no message)"
+
+
+# -- stopped processes --------------------------------------------------------------------
+
+
+def test_a_process_stopped_by_a_signal_is_seen_as_stopped(
+    processes: list[subprocess.Popen[bytes]],
+) -> None:
+    process = _start(processes)
+    assert not _is_stopped(process.pid)
+    os.kill(process.pid, signal.SIGSTOP)
+    _wait_until_stopped(process.pid, True)
+    os.kill(process.pid, signal.SIGCONT)
+    _wait_until_stopped(process.pid, False)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not _is_stopped(process.pid)  # no such process: not stopped
+
+
+# -- a frozen rank: its beat stopped -----------------------------------------------------
+
+
+def test_the_longest_silent_rank_is_named_frozen_with_where_it_stopped(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    beat = Beat(done=6, total=40, count=9)
+    world = _world(
+        [
+            _rank(tmp_path, 0, _start(processes), beat, beat_at=95.0),
+            _rank(tmp_path, 1, _start(processes), beat, beat_at=80.0),
+            _rank(tmp_path, 2, _start(processes), beat, beat_at=90.0),
+        ]
+    )
+    assert world.frozen(now=100.0, timeout_s=30.0) is None  # 20 s: within the timeout
+    assert world.frozen(now=100.0, timeout_s=20.0) == (
+        "rank 1 froze after step 6 of 40: no heartbeat for 20.0 s, it is stuck outside "
+        "Python, or starved of CPU; its peers wait for it"
+    )
+    assert world.frozen(now=100.0, timeout_s=5.0) is not None
+    assert (world.frozen(now=100.0, timeout_s=5.0) or "").startswith("rank 1 froze")
+
+
+def test_a_rank_not_yet_at_its_first_step_gets_the_starting_margin_unless_stopped(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    loading = Beat(done=0, total=40, count=1)
+    rank = _rank(tmp_path, 0, _start(processes), loading, beat_at=0.0)
+    world = _world([rank], name="reference")
+    margin = supervise._START_MARGIN_S
+    assert world.frozen(now=10.0 + margin - 0.5, timeout_s=10.0) is None  # torch may load
+    late = world.frozen(now=10.0 + margin, timeout_s=10.0)
+    assert late is not None
+    assert late.startswith("the reference process froze before its first step: ")
+
+    os.kill(rank.process.pid, signal.SIGSTOP)  # stopped: no margin for a process that cannot run
+    _wait_until_stopped(rank.process.pid, True)
+    stopped = world.frozen(now=10.0, timeout_s=10.0)
+    assert stopped == (
+        "the reference process froze before its first step: no heartbeat for 10.0 s, "
+        "its process is stopped by a signal such as SIGSTOP; its peers wait for it"
+    )
+    assert world.frozen(now=9.5, timeout_s=10.0) is None
+
+
+def test_a_rank_leaving_after_its_own_failure_or_gone_or_never_beating_is_not_frozen(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    leaving = Beat(done=6, total=40, count=9, leaving=True)
+    world = _world(
+        [
+            _rank(tmp_path, 0, _start(processes), leaving, beat_at=0.0),
+            _rank(tmp_path, 1, _exited(processes, 4), Beat(6, 40, 9), beat_at=0.0),
+            _rank(tmp_path, 2, _start(processes), None, beat_at=0.0),
+        ]
+    )
+    assert world.frozen(now=1000.0, timeout_s=1.0) is None
+
+
+# -- a stuck rank: it beats, but its steps stopped ---------------------------------------
+
+
+def _stuck_world(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]], *, name: str, least_done: int
+) -> _World:
+    beat = Beat(done=least_done, total=40, count=9)
+    return _world(
+        [_rank(tmp_path, 0, _start(processes), beat, beat_at=100.0)],
+        name=name,
+        least_done=least_done,
+        least_done_at=0.0,
+    )
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("run", 0, supervise._START_MARGIN_S, "before its first step"),
+        ("reference", 6, supervise._ALONE_MARGIN_S, "after step 6"),
+        ("run", 40, supervise._START_MARGIN_S, "after step 40"),  # gathering the results
+    ],
+)
+def test_no_progress_for_the_timeout_and_a_margin_is_a_hang(
+    tmp_path: Path,
+    processes: list[subprocess.Popen[bytes]],
+    case: tuple[str, int, float, str],
+) -> None:
+    name, done, margin, where = case
+    world = _stuck_world(tmp_path, processes, name=name, least_done=done)
+    assert world.hung(now=5.0 + margin, timeout_s=5.0) is None
+    who = "rank 0" if name == "run" else "the reference process"
+    assert world.hung(now=5.0 + margin + 0.1, timeout_s=5.0) == (
+        f"{who} made no progress for {5.0 + margin:.0f} s {where} "
+        "(alive and beating, but stuck or far too slow)"
+    )
+
+
+def test_ranks_with_peers_get_a_longer_margin_so_their_own_timeouts_come_first(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    ranks = [
+        _rank(tmp_path, 0, _start(processes), Beat(7, 40, 9), done_at=20.0),
+        _rank(tmp_path, 1, _start(processes), Beat(6, 40, 9), done_at=10.0),
+        _rank(tmp_path, 2, _start(processes), Beat(6, 40, 9), done_at=10.0),
+    ]
+    world = _world(ranks, least_done=6, least_done_at=10.0)
+    limit = 10.0 + 5.0 + supervise._PEERS_MARGIN_S
+    assert supervise._PEERS_MARGIN_S > supervise._ALONE_MARGIN_S
+    assert world.hung(now=limit, timeout_s=5.0) is None
+    # The rank whose steps stopped first, then the fewest steps, then the lowest rank.
+    assert (world.hung(now=limit + 0.1, timeout_s=5.0) or "").startswith(
+        "rank 1 made no progress for 15 s after step 6 "
+    )
+
+
+def test_the_rank_the_others_waited_for_is_the_one_whose_steps_stopped_first(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    ranks = [
+        _rank(tmp_path, 0, _start(processes), Beat(5, 40, 9), done_at=3.0),
+        _rank(tmp_path, 1, _start(processes), Beat(4, 40, 9), done_at=3.0),
+        _rank(tmp_path, 2, _start(processes), Beat(9, 40, 9), done_at=1.0),
+        _rank(tmp_path, 3, _start(processes), Beat(4, 40, 9), done_at=3.0),
+    ]
+    world = _world(ranks)
+    assert world._stuck_first(ranks) is ranks[2]
+    assert world._stuck_first([ranks[0], ranks[1], ranks[3]]) is ranks[1]  # fewer steps
+    assert world._stuck_first([ranks[3], ranks[1]]) is ranks[1]  # then the lower rank
+
+
+# -- a failed rank: which one a report names ---------------------------------------------
+
+
+@pytest.fixture
+def no_settling(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(supervise, "_SETTLE_S", 0.0)
+
+
+@pytest.mark.usefixtures("no_settling")
+def test_no_failure_while_ranks_run_or_exited_cleanly(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    world = _world(
+        [
+            _rank(tmp_path, 0, _start(processes), Beat(1, 9, 1)),
+            _rank(tmp_path, 1, _exited(processes, 0), Beat(9, 9, 5)),
+        ]
+    )
+    assert world.failure() is None
+    assert not world.done()
+    assert _world([_rank(tmp_path, 0, _exited(processes, 0))]).done()
+
+
+@pytest.mark.usefixtures("no_settling")
+def test_a_named_cause_is_reported_before_a_killed_rank_and_the_peers(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    own = "purepp: rank 2: relay step 4: a stale token. Fix: bump the generation\n"
+    peer = "purepp: rank 0: a peer failed or timed out: Connection closed by peer\n"
+    world = _world(
+        [
+            _rank(tmp_path, 0, _exited(processes, RankExit.PEER_FAILURE), stderr=peer),
+            _rank(tmp_path, 1, _exited(processes, -signal.SIGKILL)),
+            _rank(tmp_path, 2, _exited(processes, RankExit.PUREPP_ERROR), stderr=own),
+        ]
+    )
+    assert world.failure() == (
+        "rank 2 failed (exit 3): relay step 4: a stale token. Fix: bump the generation"
+    )
+    world.ranks.pop()
+    assert world.failure() == "rank 1 was killed by SIGKILL"
+    world.ranks.pop()
+    assert world.failure() == (
+        "rank 0 failed (exit 4): a peer failed or timed out: Connection closed by peer"
+    )
+
+
+@pytest.mark.usefixtures("no_settling")
+def test_a_crash_is_reported_with_its_last_line(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    world = _world(
+        [
+            _rank(tmp_path, 0, _exited(processes, RankExit.PEER_FAILURE), stderr="peer\n"),
+            _rank(tmp_path, 1, _exited(processes, 1), stderr="Traceback\nValueError: bad\n"),
+        ],
+        name="reference",
+    )
+    assert world.failure() == "the reference process failed (exit 1): ValueError: bad"
+
+
+@pytest.mark.usefixtures("no_settling")
+def test_when_only_peers_failed_the_live_rank_they_waited_for_is_named(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    now = time.monotonic()
+    waiting = _rank(tmp_path, 1, _start(processes), Beat(6, 40, 9), beat_at=now, done_at=now - 9)
+    world = _world(
+        [
+            _rank(tmp_path, 0, _exited(processes, RankExit.PEER_FAILURE), Beat(7, 40, 9)),
+            waiting,
+            _rank(tmp_path, 2, _exited(processes, RankExit.PARENT_GONE), Beat(7, 40, 9)),
+        ]
+    )
+    assert world.failure() == (
+        "rank 1 stopped advancing after step 6 (alive and beating, but stuck or far too "
+        "slow); its peers timed out waiting for it"
+    )
+    # Silent past _SILENT_S as well: frozen, which says more.
+    waiting.beat_changed_at = time.monotonic() - supervise._SILENT_S - 5.0
+    assert (world.failure() or "").startswith("rank 1 froze after step 6 of 40: no heartbeat")
+    # A live rank on its way out after its own failure is not the one they waited for.
+    waiting.beat = Beat(6, 40, 10, leaving=True)
+    assert (world.failure() or "").startswith("rank 0 failed (exit 4)")
+
+
+# -- stopping ------------------------------------------------------------------------------
+
+
+def test_stopping_ends_a_stopped_rank_by_sigterm_and_a_stubborn_one_by_sigkill(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(supervise, "_STOP_GRACE_S", 1.0)
+    frozen = _start(processes)
+    os.kill(frozen.pid, signal.SIGSTOP)
+    _wait_until_stopped(frozen.pid, True)
+    stubborn = _start(processes, STUBBORN, talks=True)
+    assert stubborn.stdout is not None
+    assert stubborn.stdout.readline() == b"ready\n"
+    gone = _exited(processes, RankExit.PEER_FAILURE)
+    ranks = [_rank(tmp_path, i, p) for i, p in enumerate((frozen, stubborn, gone))]
+    stopper = threading.Thread(target=_stop, args=(ranks,), daemon=True)
+    stopper.start()
+    stopper.join(WAIT_S)
+    assert not stopper.is_alive(), "_stop never returned"
+    assert frozen.returncode == -signal.SIGTERM  # continued, so SIGTERM could end it
+    assert stubborn.returncode == -signal.SIGKILL
+    assert gone.returncode == RankExit.PEER_FAILURE
+
+
+_ORPHAN = """
+import subprocess, sys, time
+from purepp.runner.supervise import _die_with_parent
+preexec = _die_with_parent()
+assert preexec is not None, "no parent-death signal in a single-threaded launcher"
+child = subprocess.Popen(
+    [sys.executable, "-c", "import time; time.sleep(600)"],
+    preexec_fn=preexec,
+    start_new_session=True,
+)
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_rank_without_a_parent_watch_still_dies_with_its_launcher(
+    processes: list[subprocess.Popen[bytes]],
+) -> None:
+    launcher = _start(processes, _ORPHAN, talks=True)
+    assert launcher.stdout is not None
+    child = int(launcher.stdout.readline())
+    try:
+        assert not _gone(child)
+        launcher.kill()  # SIGKILL: no handler of the launcher runs
+        launcher.wait()
+        _wait_until(lambda: _gone(child), "the child outlived its launcher")
+    finally:
+        if not _gone(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_no_parent_death_signal_from_a_threaded_launcher() -> None:
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait)
+    thread.start()
+    try:
+        assert _die_with_parent() is None  # a fork could copy another thread's held lock
+    finally:
+        release.set()
+        thread.join()
+
+
+# -- signals -------------------------------------------------------------------------------
+
+
+def _signalled_twice(signum: int) -> None:
+    """`signum`, then more signals while the run is being stopped."""
+    try:
+        signal.raise_signal(signum)  # its handler runs before this returns
+    finally:  # stopping the processes: a second Ctrl-C must not cut that short
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGTERM)
+
+
+def test_the_first_signal_interrupts_and_later_ones_are_ignored_while_stopping() -> None:
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    for signum in before:
+        with pytest.raises(Interrupted) as raised, _signals_stop_the_run():
+            _signalled_twice(signum)
+        assert raised.value.signum == signum
+        assert str(raised.value) == signal.Signals(signum).name
+        assert {s: signal.getsignal(s) for s in before} == before  # restored
+
+
+def test_signals_are_left_to_the_caller_off_the_main_thread() -> None:
+    errors: list[BaseException] = []
+
+    def enter() -> None:
+        try:
+            with _signals_stop_the_run():
+                pass
+        except BaseException as error:  # reported by the assertion below
+            errors.append(error)
+
+    thread = threading.Thread(target=enter)
+    thread.start()
+    thread.join()
+    assert errors == []
+
+
+# -- the log folder's lock ----------------------------------------------------------------
+
+
+def test_the_log_folder_lock_names_its_holder_and_is_released_after_the_run(
+    tmp_path: Path,
+) -> None:
+    lock = tmp_path / supervise.LOCK_FILE
+    lock.write_text("999999999 an-older-and-longer-run-id\n")
+    with _log_dir_lock(tmp_path, "run1"):
+        assert lock.read_text() == f"{os.getpid()} run1\n"
+        with pytest.raises(UsageError) as refused, _log_dir_lock(tmp_path, "run2"):
+            pass
+        assert f"is in use by another purepp run (pid {os.getpid()})" in str(refused.value)
+        assert "Fix: wait for it to finish, or pass another --log-dir" in str(refused.value)
+    with _log_dir_lock(tmp_path, "run3"):  # released: the next run takes it
+        assert lock.read_text() == f"{os.getpid()} run3\n"
+
+
+def test_a_lock_held_without_a_pid_is_refused_without_one(tmp_path: Path) -> None:
+    with (tmp_path / supervise.LOCK_FILE).open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(UsageError) as refused, _log_dir_lock(tmp_path, "run"):
+            pass
+    assert f"--log-dir {tmp_path} is in use by another purepp run. Fix:" in str(refused.value)
+
+
+# -- the temporary folder -----------------------------------------------------------------
+
+
+def test_the_temporary_folder_is_removed_on_exit_and_on_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    with _temporary_folder("purepp-test-") as folder:
+        (folder / "rank0.stderr").write_text("x")
+        assert folder.parent == tmp_path
+        assert folder.name.startswith("purepp-test-")
+    assert not folder.exists()
+    with pytest.raises(KeyError), _temporary_folder("purepp-test-") as failed:
+        raise KeyError("a failure inside the run")
+    assert not failed.exists()
+
+
+_OWNER = """
+import sys, time
+from purepp.runner.supervise import _temporary_folder
+with _temporary_folder("purepp-test-") as folder:
+    (folder / "rank0.stderr").write_text("x")
+    print(folder, flush=True)
+    time.sleep(1.0)  # the sweeper has started by now: it must wait for this process
+    print(folder.exists(), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_the_temporary_folder_outlives_nothing_but_its_sigkilled_owner(
+    processes: list[subprocess.Popen[bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    owner = _start(processes, _OWNER, talks=True)
+    assert owner.stdout is not None
+    folder = Path(owner.stdout.readline().decode().strip())
+    assert folder.parent == tmp_path
+    assert owner.stdout.readline() == b"True\n"  # kept while its owner runs
+    owner.kill()  # SIGKILL: no handler of the owner runs
+    owner.wait()
+    _wait_until(lambda: not folder.exists(), "the sweeper left the folder behind")
+
+
+# -- the options of the ranks and of the reference ----------------------------------------
+
+
+def _parsed(argv: list[str]) -> tuple[RunSettings, str | None, str | None]:
+    parser = OptionParser(prog="worker")
+    add_run_options(parser)
+    parser.add_argument("--reference", action="store_true")
+    args = parser.parse_args(argv)
+    return settings_from_args(args), args.log_dir, args.trace
+
+
+def test_ranks_get_every_setting_and_the_log_folder_and_trace() -> None:
+    settings = RunSettings(
+        pp=2, dp=3, steps=7, validate_header=True, overlap_agreement=True, wire="fixed"
+    )
+    argv = worker_argv(settings, "logs", "trace.json")
+    assert _parsed(argv) == (settings, "logs", "trace.json")
+    assert _parsed(worker_argv(settings, None, None)) == (settings, None, None)
+    plain = attrs.evolve(settings, validate_header=False, overlap_agreement=False)
+    assert _parsed(worker_argv(plain, None, None))[0] == plain
+
+
+def test_the_reference_is_one_eager_gloo_process_of_the_same_workload_without_aborts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: list[tuple[str, int, list[str], Path]] = []
+
+    class Recorded(_World):
+        def __init__(
+            self, name: str, size: int, argv: list[str], work: Path, started: list[_Rank]
+        ) -> None:
+            built.append((name, size, argv, work))
+
+    monkeypatch.setattr(supervise, "_World", Recorded)
+    settings = RunSettings(
+        pp=3,
+        dp=2,
+        steps=9,
+        spec=3,
+        seed=5,
+        requests=11,
+        timeout_s=12.5,
+        backend="nccl",
+        interpreter="captured",
+        overlap_agreement=True,
+        validate_header=True,
+        wire="packed",
+    )
+    _reference_world(settings, tmp_path / "ref", [])
+    [(name, size, argv, work)] = built
+    assert (name, size, work) == ("reference", 1, tmp_path / "ref")
+    assert "--reference" in argv
+    expected = attrs.evolve(
+        settings, pp=1, dp=1, backend="gloo", interpreter="eager", overlap_agreement=False
+    )
+    assert _parsed(argv) == (expected, None, None)  # no logs or trace of its own
+
+
+def test_nccl_needs_a_gpu_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    with pytest.raises(UsageError) as refused:
+        _check_devices(RunSettings(pp=2, dp=2, backend="nccl"))
+    assert "--backend nccl with --pp 2 --dp 2 needs 4 GPUs, found 3" in str(refused.value)
+    _check_devices(RunSettings(pp=3, dp=1, backend="nccl"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _check_devices(RunSettings(pp=2, dp=2, backend="gloo"))
+
+
+# -- progress ------------------------------------------------------------------------------
+
+
+def _progress_world(tmp_path: Path, processes: list[subprocess.Popen[bytes]]) -> _World:
+    return _world([_rank(tmp_path, 0, _exited(processes, 0), Beat(0, 20, 1))], least_done=0)
+
+
+def test_progress_in_a_log_is_a_line_per_tenth_of_the_run(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    world = _progress_world(tmp_path, processes)
+    shown = [-1]
+    for done in (0, 0, 1, 2, 3, 19, 20, 20):
+        world._least_done = done
+        _show_progress(world, shown)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "step     0/20 [                              ]",
+        "step     2/20 [###                           ]",
+        "step    19/20 [############################  ]",
+        "step    20/20 [##############################]",
+    ]
+    nothing = _world([_rank(tmp_path, 1, _exited(processes, 0))])
+    _show_progress(nothing, [-1])  # no beat yet: nothing to show
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_on_a_terminal_redraws_one_line_when_a_step_ends(
+    tmp_path: Path,
+    processes: list[subprocess.Popen[bytes]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    world = _progress_world(tmp_path, processes)
+    shown = [-1]
+    for done in (0, 0, 1, 1, 20):
+        world._least_done = done
+        _show_progress(world, shown)
+    err = capsys.readouterr().err
+    assert err.split("\r") == [
+        "",
+        "  step     0/20 [                              ]",
+        "  step     1/20 [#                             ]",
+        "  step    20/20 [##############################]",
+    ]
