@@ -26,7 +26,7 @@ import pytest
 from purepp.runner import supervise
 from purepp.runner.exit_codes import RankExit
 from purepp.runner.options import OptionParser, UsageError, add_run_options, settings_from_args
-from purepp.runner.progress import Beat
+from purepp.runner.progress import Beat, write_beat
 from purepp.runner.settings import RunSettings
 from purepp.runner.supervise import (
     Interrupted,
@@ -261,6 +261,24 @@ def test_a_rank_leaving_after_its_own_failure_or_gone_or_never_beating_is_not_fr
     assert world.frozen(now=1000.0, timeout_s=1.0) is None
 
 
+def test_a_beat_is_a_sign_of_life_and_a_step_done_is_a_sign_of_progress(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    (tmp_path / "progress").mkdir()
+    rank = _rank(tmp_path, 0, _start(processes))
+    write_beat(rank.beat_path, Beat(done=3, total=40, count=7))
+    rank.observe(now=1.0)
+    assert (rank.beat_changed_at, rank.done_changed_at) == (1.0, 1.0)
+    write_beat(rank.beat_path, Beat(done=3, total=40, count=8))  # beating, stuck at 3
+    rank.observe(now=2.0)
+    assert (rank.beat_changed_at, rank.done_changed_at) == (2.0, 1.0)
+    rank.observe(now=3.0)  # the same beat again: silent
+    assert (rank.beat_changed_at, rank.done_changed_at) == (2.0, 1.0)
+    write_beat(rank.beat_path, Beat(done=4, total=40, count=9))
+    rank.observe(now=4.0)
+    assert (rank.beat_changed_at, rank.done_changed_at) == (4.0, 4.0)
+
+
 # -- a stuck rank: it beats, but its steps stopped ---------------------------------------
 
 
@@ -353,6 +371,8 @@ def test_no_failure_while_ranks_run_or_exited_cleanly(
     assert world.failure() is None
     assert not world.done()
     assert _world([_rank(tmp_path, 0, _exited(processes, 0))]).done()
+    failed = [_rank(tmp_path, 0, _exited(processes, 0)), _rank(tmp_path, 1, _exited(processes, 4))]
+    assert not _world(failed).done()  # so its failure is reported, not its missing results
 
 
 @pytest.mark.usefixtures("no_settling")
@@ -410,12 +430,95 @@ def test_when_only_peers_failed_the_live_rank_they_waited_for_is_named(
         "rank 1 stopped advancing after step 6 (alive and beating, but stuck or far too "
         "slow); its peers timed out waiting for it"
     )
+    waiting.beat = Beat(0, 40, 9)
+    assert (world.failure() or "").startswith("rank 1 stopped advancing before its first step ")
+    waiting.beat = Beat(6, 40, 9)
     # Silent past _SILENT_S as well: frozen, which says more.
     waiting.beat_changed_at = time.monotonic() - supervise._SILENT_S - 5.0
     assert (world.failure() or "").startswith("rank 1 froze after step 6 of 40: no heartbeat")
     # A live rank on its way out after its own failure is not the one they waited for.
     waiting.beat = Beat(6, 40, 10, leaving=True)
     assert (world.failure() or "").startswith("rank 0 failed (exit 4)")
+
+
+class _SettleWatch:
+    """`time` for the supervisor: `meanwhile` happens during its settling pause."""
+
+    def __init__(self, meanwhile: Callable[[], None]) -> None:
+        self.meanwhile = meanwhile
+        self.pauses: list[float] = []
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        self.pauses.append(seconds)
+        self.meanwhile()
+
+
+def test_the_settling_pause_lets_the_cause_exit_before_one_is_blamed(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cause = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read(); sys.exit(3)"],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+    )
+    processes.append(cause)
+    own = "purepp: rank 1: a stale token. Fix: bump the generation\n"
+    now = time.monotonic()
+    world = _world(
+        [
+            _rank(tmp_path, 0, _exited(processes, RankExit.PEER_FAILURE), Beat(7, 40, 9)),
+            _rank(tmp_path, 1, cause, Beat(6, 40, 9), beat_at=now, done_at=now, stderr=own),
+        ]
+    )
+
+    def cause_exits() -> None:  # after a peer's failure is seen, the cause exits too
+        assert cause.stdin is not None
+        cause.stdin.close()
+        cause.wait()
+
+    watch = _SettleWatch(cause_exits)
+    monkeypatch.setattr(supervise, "time", watch)
+    assert world.failure() == "rank 1 failed (exit 3): a stale token. Fix: bump the generation"
+    assert watch.pauses == [supervise._SETTLE_S]
+
+
+def test_the_beats_after_the_settling_pause_decide_who_is_named(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "progress").mkdir()
+    now = time.monotonic()
+    live = _rank(tmp_path, 1, _start(processes), Beat(6, 40, 9), beat_at=now, done_at=now)
+    world = _world(
+        [_rank(tmp_path, 0, _exited(processes, RankExit.PEER_FAILURE), Beat(7, 40, 9)), live]
+    )
+    # Meanwhile the live rank says it fails too: it is not the one the others waited for.
+    leaving = Beat(6, 40, 10, leaving=True)
+    monkeypatch.setattr(
+        supervise, "time", _SettleWatch(lambda: write_beat(live.beat_path, leaving))
+    )
+    assert (world.failure() or "").startswith("rank 0 failed (exit 4)")
+    assert live.beat == leaving
+
+
+def test_a_finished_world_is_no_longer_watched_for_hangs(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """The reference finishes long before a long run: its old progress is no hang."""
+    long_ago = time.monotonic() - 1000.0
+    finished = _world(
+        [_rank(tmp_path, 0, _exited(processes, 0), Beat(9, 9, 5))],
+        name="reference",
+        least_done=9,
+        least_done_at=long_ago,
+    )
+    finishing = _start(processes, "import time; time.sleep(1.0)")
+    running = _world([_rank(tmp_path, 1, finishing)], least_done_at=time.monotonic())
+    assert finished.hung(time.monotonic(), timeout_s=1.0) is not None  # were it watched
+    supervise._wait([running, finished], timeout_s=1.0, show=running)
+    assert running.done()
 
 
 # -- stopping ------------------------------------------------------------------------------
@@ -560,10 +663,29 @@ def test_the_temporary_folder_is_removed_on_exit_and_on_an_error(
         (folder / "rank0.stderr").write_text("x")
         assert folder.parent == tmp_path
         assert folder.name.startswith("purepp-test-")
+        [sweeper] = _sweepers()
+        assert os.getsid(sweeper) != os.getsid(0)  # a Ctrl-C at the terminal misses it
     assert not folder.exists()
+    assert _sweepers() == []  # its sweeper ended with it
     with pytest.raises(KeyError), _temporary_folder("purepp-test-") as failed:
         raise KeyError("a failure inside the run")
     assert not failed.exists()
+
+
+def _sweepers() -> list[int]:
+    """Live sweeper processes started by this process."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat[1]) == os.getpid() and stat[0] != "Z" and b"-I" in command:
+            found.append(int(entry.name))
+    return found
 
 
 _OWNER = """
@@ -590,6 +712,17 @@ def test_the_temporary_folder_outlives_nothing_but_its_sigkilled_owner(
     owner.kill()  # SIGKILL: no handler of the owner runs
     owner.wait()
     _wait_until(lambda: not folder.exists(), "the sweeper left the folder behind")
+
+
+def test_ranks_do_not_inherit_a_launchers_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun, TORCHELASTIC_* would make the new world join torchrun's store."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer")
+    monkeypatch.setenv("PUREPP_KEPT", "yes")
+    environment = supervise._own_environment()
+    assert not [name for name in environment if name.startswith("TORCHELASTIC_")]
+    assert environment["PUREPP_KEPT"] == "yes"
+    assert environment["PATH"] == os.environ["PATH"]
 
 
 # -- the options of the ranks and of the reference ----------------------------------------
