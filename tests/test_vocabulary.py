@@ -8,6 +8,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+from hypothesis import given
 
 from purepp.effects._converter import CONVERTER
 from purepp.effects.log import load_log
@@ -15,6 +16,7 @@ from purepp.effects.vocabulary import (
     BufferRef,
     Communicator,
     DType,
+    Effect,
     EventRef,
     Op,
     Release,
@@ -22,6 +24,7 @@ from purepp.effects.vocabulary import (
     Stream,
     WorkRef,
 )
+from tests.strategies import any_effect
 
 
 def test_a_buffer_ref_is_its_name_and_no_other_kind_of_ref() -> None:
@@ -95,3 +98,13 @@ def test_a_log_written_before_scatter_rows_had_skips_loads_with_the_old_meaning(
             assert attrs.evolve(earlier, skips=effect.skips) == effect
         else:
             assert earlier == effect
+
+
+@given(any_effect)
+def test_every_effect_is_a_hashable_value_equal_to_its_copy(effect: Effect) -> None:
+    # Effects are frozen values a caller may put in sets or use as keys: their arrays
+    # compare by value but stay out of the hash, which must agree with equality.
+    copy = pickle.loads(pickle.dumps(effect))
+    assert copy == effect
+    assert hash(copy) == hash(effect)
+    assert len({effect, copy}) == 1
