@@ -592,6 +592,8 @@ def test_layout_example_and_errors() -> None:
         world.pp_stage(8)
     with pytest.raises(ConfigError, match="pp_stage=2, dp_index=0 is outside"):
         world.rank_of(pp_stage=2, dp_index=0)
+    with pytest.raises(ConfigError, match="pp_stage=0, dp_index=4 is outside"):
+        world.rank_of(pp_stage=0, dp_index=4)
     with pytest.raises(ConfigError, match="rank 8 is outside"):
         LogHeader(rank=8, world=world)
 
