@@ -22,6 +22,7 @@ import pytest
 
 from purepp.runner.exit_codes import Exit, interrupted
 from purepp.runner.progress import KILL_RANK_ENV, STOP_RANK_ENV, STUCK_RANK_ENV
+from purepp.runner.settings import RunSettings
 from purepp.runner.supervise import LOCK_FILE
 from tests._processes import MARK, marked_processes
 
@@ -85,6 +86,11 @@ def runs() -> Iterator[list[Run]]:
 def _reports(err: str) -> list[str]:
     """The launcher's own lines on stderr (progress lines aside)."""
     return [line for line in err.splitlines() if line.startswith("purepp run:")]
+
+
+def _progress(err: str) -> list[str]:
+    """The progress lines on stderr (not a terminal: a line per tenth of the run)."""
+    return [line for line in err.splitlines() if line.startswith("step ")]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
@@ -227,6 +233,11 @@ def test_logs_carry_the_run_id_and_a_second_run_is_refused(tmp_path: Path, runs:
     runs.append(third)
     code, out, err = third.finish()
     assert code == Exit.OK, err
+    # Without DP the loop stops once every request finished; the bar ends full all the same.
+    steps = int(next(line.split()[1] for line in out.splitlines() if line.split()[:1] == ["steps"]))
+    total = RunSettings(pp=2, dp=1, requests=4).total_steps
+    assert steps < total
+    assert _progress(err)[-1] == f"step {total:>5}/{total} [{'#' * 30}]", err
     names = sorted(p.name for p in logs.iterdir() if not p.name.startswith("."))
     assert names == ["rank-0000.jsonl", "rank-0001.jsonl"]  # older logs replaced
     assert (logs / LOCK_FILE).exists()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -170,6 +172,35 @@ def test_bad_options_exit_with_the_usage_code_before_anything_starts(
     err = capsys.readouterr().err
     assert err.startswith("python -m purepp.runner.worker: --pp 0 is below 1"), err
     assert list(tmp_path.iterdir()) == []  # no heartbeat either
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_rank_whose_launcher_is_gone_exits_whatever_it_is_doing(tmp_path: Path) -> None:
+    """The backstop for the parent-death signal: the rank watches its parent itself.
+    This one waits in the rendezvous for a peer that never comes (for 300 s)."""
+    environment = dict(
+        os.environ,
+        RANK="0",
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        **{PARENT_PID_ENV: "1"},  # not its parent: its launcher is gone
+    )
+    argv = ["--pp", "2", "--dp", "1", "--timeout", "300", "--progress-dir", str(tmp_path)]
+    result = subprocess.run(
+        [sys.executable, "-m", "purepp.runner.worker", *argv],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == RankExit.PARENT_GONE, result.stderr[-2000:]
 
 
 # -- what a rank's run is asked to do ------------------------------------------------------
