@@ -545,6 +545,31 @@ def test_stopping_ends_a_stopped_rank_by_sigterm_and_a_stubborn_one_by_sigkill(
     assert gone.returncode == RankExit.PEER_FAILURE
 
 
+def _a_run_that_fails(ranks: list[_Rank], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run whose rank fails; a Ctrl-C comes while its ranks are being stopped."""
+    real_killpg = os.killpg
+
+    def killpg_then_ctrl_c(pid: int, signum: int) -> None:
+        real_killpg(pid, signum)
+        signal.raise_signal(signal.SIGINT)  # the first signal raises Interrupted here
+
+    with supervise._stopped_on_exit() as started:
+        started.extend(ranks)
+        monkeypatch.setattr(os, "killpg", killpg_then_ctrl_c)
+        raise supervise.RankFailure("rank 0 failed")
+
+
+def test_a_signal_while_stopping_after_a_failure_still_stops_every_rank(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user sees the interruption, and no rank is left running."""
+    ranks = [_rank(tmp_path, 0, _start(processes)), _rank(tmp_path, 1, _start(processes))]
+    with pytest.raises(Interrupted), _signals_stop_the_run():
+        _a_run_that_fails(ranks, monkeypatch)
+    monkeypatch.undo()
+    assert [rank.process.poll() for rank in ranks] == [-signal.SIGTERM, -signal.SIGTERM]
+
+
 _ORPHAN = """
 import subprocess, sys, time
 from purepp.runner.supervise import _die_with_parent

@@ -492,7 +492,11 @@ def _stopped_on_exit() -> Iterator[list[_Rank]]:
     try:
         yield started
     finally:
-        _stop(started)
+        try:
+            _stop(started)
+        except Interrupted:  # the first signal came while stopping: stop the rest too
+            _stop(started)  # (later signals are ignored)
+            raise
 
 
 # -- watching ---------------------------------------------------------------------------
