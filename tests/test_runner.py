@@ -169,9 +169,26 @@ def test_pp_dp_run_matches_single_stage_run(pp: int, dp: int, spec: int) -> None
     summary = launch(RunSettings(pp=pp, dp=dp, spec=spec, requests=10, timeout_s=30))
     assert summary.verdict.ok, summary.verdict.render()
     assert summary.verdict.exact > 0
+    # The reference aborts nothing: each request the run finished is compared in full.
+    assert summary.verdict.exact == summary.requests - summary.aborted
+    assert summary.verdict.prefixes == summary.aborted > 0
     assert summary.tokens > 0
     if spec:
         assert 0 < summary.drafts_accepted < summary.drafts_proposed  # some drafts rejected
+
+
+@pytest.mark.multiprocess
+def test_steps_given_are_all_run_though_every_request_finished_sooner() -> None:
+    """`--steps N` runs N decode steps (the run and the reference): without it, a run
+    without DP stops once every request finished, well before its step bound."""
+    steps = RunSettings(pp=2, dp=1, requests=2).total_steps
+    summary = launch(RunSettings(pp=2, dp=1, requests=2, steps=steps, timeout_s=30))
+    assert (summary.steps, summary.reference_steps) == (steps, steps)
+    assert summary.verdict.ok, summary.verdict.render()
+    assert summary.verdict.exact == summary.requests - summary.aborted
+    unbounded = launch(RunSettings(pp=2, dp=1, requests=2, timeout_s=30))
+    assert unbounded.steps < steps
+    assert unbounded.tokens == summary.tokens
 
 
 def _records(logs: Path) -> dict[str, list[str]]:
