@@ -282,6 +282,26 @@ def test_a_beat_is_a_sign_of_life_and_a_step_done_is_a_sign_of_progress(
 # -- a stuck rank: it beats, but its steps stopped ---------------------------------------
 
 
+def test_a_worlds_progress_is_its_slowest_rank_and_dates_from_its_last_advance(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    (tmp_path / "progress").mkdir()
+    ranks = [_rank(tmp_path, 0, _start(processes)), _rank(tmp_path, 1, _start(processes))]
+    world = _world(ranks, least_done=-1, least_done_at=0.0)
+    world.observe(now=1.0)  # no beat yet
+    assert (world.progress(), world._least_done_at) == ((0, 0), 0.0)
+    write_beat(ranks[0].beat_path, Beat(done=3, total=40, count=4))
+    write_beat(ranks[1].beat_path, Beat(done=2, total=40, count=3))
+    world.observe(now=2.0)
+    assert (world.progress(), world._least_done_at) == ((2, 40), 2.0)
+    write_beat(ranks[0].beat_path, Beat(done=4, total=40, count=5))  # not the slowest
+    world.observe(now=3.0)
+    assert (world.progress(), world._least_done_at) == ((2, 40), 2.0)
+    write_beat(ranks[1].beat_path, Beat(done=4, total=40, count=4))
+    world.observe(now=4.0)
+    assert (world.progress(), world._least_done_at) == ((4, 40), 4.0)
+
+
 def _stuck_world(
     tmp_path: Path, processes: list[subprocess.Popen[bytes]], *, name: str, least_done: int
 ) -> _World:
@@ -519,6 +539,28 @@ def test_a_finished_world_is_no_longer_watched_for_hangs(
     assert finished.hung(time.monotonic(), timeout_s=1.0) is not None  # were it watched
     supervise._wait([running, finished], timeout_s=1.0, show=running)
     assert running.done()
+
+
+def test_a_world_starts_its_ranks_in_their_own_sessions_and_reports_their_refusal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real rank processes, refused at once by their options (no torch is loaded)."""
+    monkeypatch.setattr(supervise, "_SETTLE_S", 0.0)
+    started: list[_Rank] = []
+    try:
+        world = _World("run", 2, ["--pp", "0"], tmp_path / "run", started)
+        assert [rank.rank for rank in started] == [0, 1]
+        assert started == world.ranks
+        for rank in started:  # a Ctrl-C at the terminal reaches the launcher alone
+            assert os.getsid(rank.process.pid) == rank.process.pid != os.getsid(0)
+        for rank in started:
+            rank.process.wait(timeout=WAIT_S)
+        assert (tmp_path / "run" / "progress").is_dir()
+        assert (world.failure() or "").startswith(
+            "rank 0 failed (exit 2): python -m purepp.runner.worker: --pp 0 is below 1. Fix: "
+        )
+    finally:
+        _stop(started)
 
 
 # -- stopping ------------------------------------------------------------------------------
