@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from purepp.errors import ConfigError
 from purepp.runner.options import OptionParser, add_run_options, settings_from_args
 from purepp.runner.parity import check_parity
 from purepp.runner.progress import Beat, Heartbeat, read_beat, write_beat
 from purepp.runner.results import RankResult, ResultsError, read_results, write_results
 from purepp.runner.settings import RunSettings
 from purepp.runner.supervise import _Rank, without_source_paths, worker_argv
+from purepp.runner.workload import WorkloadConfig, make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,12 +134,48 @@ def test_an_unfinished_reference_is_compared_as_far_as_both_got() -> None:
     wrong = check_parity({0: [1, 9, 3]}, frozenset({0}), {0: [1, 2]}, frozenset())
     assert wrong.mismatch is not None
     assert wrong.mismatch.position == 1
+    assert wrong.compared == 1  # the tokens before the difference
+
+
+def test_a_mismatch_counts_every_token_compared_before_it() -> None:
+    reference = {0: [1, 2], 1: [3, 4, 5]}
+    verdict = check_parity({0: [1, 2], 1: [3, 4, 9]}, frozenset({0, 1}), reference)
+    assert verdict.mismatch is not None
+    assert (verdict.mismatch.request_id, verdict.mismatch.position) == (1, 2)
+    assert verdict.compared == 4
 
 
 def test_a_run_past_a_finished_reference_is_a_mismatch() -> None:
     verdict = check_parity({0: [1, 2, 3]}, frozenset(), {0: [1, 2]}, frozenset({0}))
     assert verdict.mismatch is not None
     assert verdict.mismatch.why == "ran past the reference's end"
+
+
+# -- the workload ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"num_requests": -1},
+        {"dp_size": 0},
+        {"min_prompt": 0},
+        {"min_prompt": 5, "max_prompt": 4},
+        {"min_output": 0},
+        {"min_output": 5, "max_output": 4},
+    ],
+)
+def test_a_workload_config_out_of_bounds_is_refused(bad: dict[str, int]) -> None:
+    with pytest.raises(ConfigError, match="WorkloadConfig"):
+        WorkloadConfig(**bad)
+
+
+def test_a_workload_at_its_bounds_is_drawn() -> None:
+    assert make_workload(WorkloadConfig(num_requests=0)).requests == ()
+    config = WorkloadConfig(num_requests=6, min_prompt=4, max_prompt=4, min_output=2, max_output=2)
+    requests = make_workload(config).requests
+    assert [len(r.prompt) for r in requests] == [4] * 6
+    assert [r.max_tokens for r in requests] == [2] * 6
 
 
 # -- the ranks' options ---------------------------------------------------------------
