@@ -172,9 +172,9 @@ def test_a_workload_config_out_of_bounds_is_refused(bad: dict[str, int]) -> None
 
 def test_a_workload_at_its_bounds_is_drawn() -> None:
     assert make_workload(WorkloadConfig(num_requests=0)).requests == ()
-    config = WorkloadConfig(num_requests=6, min_prompt=4, max_prompt=4, min_output=2, max_output=2)
+    config = WorkloadConfig(num_requests=6, min_prompt=1, max_prompt=1, min_output=2, max_output=2)
     requests = make_workload(config).requests
-    assert [len(r.prompt) for r in requests] == [4] * 6
+    assert [len(r.prompt) for r in requests] == [1] * 6
     assert [r.max_tokens for r in requests] == [2] * 6
 
 
