@@ -47,6 +47,16 @@ from purepp.runner.supervise import (
 )
 
 SLEEPER = "import time; time.sleep(600)"
+# Takes SIGTERM as a cue to tidy up a moment and exit 0, then says it is ready.
+POLITE = (
+    "import signal, sys, time\n"
+    "def tidy(signum, frame):\n"
+    "    time.sleep(0.1)\n"
+    "    sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, tidy)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(600)\n"
+)
 # Ignores SIGTERM, then says so: only SIGKILL ends it.
 STUBBORN = (
     "import signal, sys, time\n"
@@ -566,24 +576,27 @@ def test_a_world_starts_its_ranks_in_their_own_sessions_and_reports_their_refusa
 # -- stopping ------------------------------------------------------------------------------
 
 
-def test_stopping_ends_a_stopped_rank_by_sigterm_and_a_stubborn_one_by_sigkill(
+def test_stopping_ends_a_stopped_rank_by_sigterm_gives_grace_and_then_sigkill(
     tmp_path: Path, processes: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(supervise, "_STOP_GRACE_S", 1.0)
+    monkeypatch.setattr(supervise, "_STOP_GRACE_S", 2.0)
     frozen = _start(processes)
     os.kill(frozen.pid, signal.SIGSTOP)
     _wait_until_stopped(frozen.pid, True)
     stubborn = _start(processes, STUBBORN, talks=True)
-    assert stubborn.stdout is not None
-    assert stubborn.stdout.readline() == b"ready\n"
+    polite = _start(processes, POLITE, talks=True)
+    for process in (stubborn, polite):
+        assert process.stdout is not None
+        assert process.stdout.readline() == b"ready\n"
     gone = _exited(processes, RankExit.PEER_FAILURE)
-    ranks = [_rank(tmp_path, i, p) for i, p in enumerate((frozen, stubborn, gone))]
+    ranks = [_rank(tmp_path, i, p) for i, p in enumerate((frozen, stubborn, polite, gone))]
     stopper = threading.Thread(target=_stop, args=(ranks,), daemon=True)
     stopper.start()
     stopper.join(WAIT_S)
     assert not stopper.is_alive(), "_stop never returned"
     assert frozen.returncode == -signal.SIGTERM  # continued, so SIGTERM could end it
     assert stubborn.returncode == -signal.SIGKILL
+    assert polite.returncode == 0  # the grace let it finish
     assert gone.returncode == RankExit.PEER_FAILURE
 
 
@@ -909,3 +922,19 @@ def test_progress_on_a_terminal_redraws_one_line_when_a_step_ends(
         "  step     1/20 [#                             ]",
         "  step    20/20 [##############################]",
     ]
+
+
+def test_on_a_terminal_the_bar_ends_its_line_when_the_run_ends(
+    tmp_path: Path,
+    processes: list[subprocess.Popen[bytes]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (tmp_path / "progress").mkdir()
+    rank = _rank(tmp_path, 0, _exited(processes, 0))
+    write_beat(rank.beat_path, Beat(done=20, total=20, count=9))
+    supervise._wait([_world([rank])], timeout_s=1.0, show=_world([rank]))
+    assert capsys.readouterr().err == f"step    20/20 [{'#' * 30}]\n"  # a log: no blank line
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    supervise._wait([_world([rank])], timeout_s=1.0, show=_world([rank]))
+    assert capsys.readouterr().err == f"\r  step    20/20 [{'#' * 30}]\n"
