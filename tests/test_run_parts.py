@@ -13,11 +13,17 @@ from pathlib import Path
 import pytest
 
 from purepp.errors import ConfigError
-from purepp.runner.options import OptionParser, add_run_options, settings_from_args
+from purepp.runner.options import (
+    MAX_TIMEOUT_S,
+    OptionParser,
+    UsageError,
+    add_run_options,
+    settings_from_args,
+)
 from purepp.runner.parity import check_parity
 from purepp.runner.progress import Beat, Heartbeat, read_beat, write_beat
 from purepp.runner.results import RankResult, ResultsError, read_results, write_results
-from purepp.runner.settings import RunSettings
+from purepp.runner.settings import MAX_SPECULATIVE_STEPS, RunSettings
 from purepp.runner.supervise import _Rank, without_source_paths, worker_argv
 from purepp.runner.workload import WorkloadConfig, make_workload
 
@@ -149,6 +155,25 @@ def test_a_run_past_a_finished_reference_is_a_mismatch() -> None:
     verdict = check_parity({0: [1, 2, 3]}, frozenset(), {0: [1, 2]}, frozenset({0}))
     assert verdict.mismatch is not None
     assert verdict.mismatch.why == "ran past the reference's end"
+
+
+# -- option bounds ---------------------------------------------------------------------
+
+
+def test_each_option_accepts_its_upper_bound_and_refuses_one_past_it() -> None:
+    parser = OptionParser(prog="purepp run")
+    add_run_options(parser)
+
+    def settings(*argv: str) -> RunSettings:
+        return settings_from_args(parser.parse_args(argv))
+
+    layers = RunSettings().num_layers
+    top = (layers, MAX_SPECULATIVE_STEPS, MAX_TIMEOUT_S)
+    at_bounds = settings("--pp", str(top[0]), "--spec", str(top[1]), "--timeout", str(top[2]))
+    assert (at_bounds.pp, at_bounds.spec, at_bounds.timeout_s) == top
+    for option, value in zip(("--pp", "--spec", "--timeout"), top, strict=True):
+        with pytest.raises(UsageError, match=f"{option} {value + 1:g} is above"):
+            settings(option, f"{value + 1:g}")
 
 
 # -- the workload ----------------------------------------------------------------------
