@@ -289,6 +289,30 @@ def test_a_beat_is_a_sign_of_life_and_a_step_done_is_a_sign_of_progress(
     assert (rank.beat_changed_at, rank.done_changed_at) == (4.0, 4.0)
 
 
+def test_a_rank_silent_for_the_whole_timeout_is_named_before_any_peer_gives_up(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    frozen = _start(processes)
+    os.kill(frozen.pid, signal.SIGSTOP)
+    _wait_until_stopped(frozen.pid, True)
+    now = time.monotonic()
+    beat = Beat(6, 40, 9)
+    world = _world(
+        [
+            _rank(tmp_path, 0, _start(processes), beat, beat_at=now, done_at=now),
+            _rank(tmp_path, 1, frozen, beat, beat_at=now - 100.0, done_at=now - 100.0),
+        ],
+        least_done=6,
+        least_done_at=now,
+    )
+    with pytest.raises(supervise.RankFailure) as failed:
+        supervise._wait([world], timeout_s=5.0, show=world)
+    assert str(failed.value).startswith("rank 1 froze after step 6 of 40: no heartbeat for ")
+    assert str(failed.value).endswith(
+        "s, its process is stopped by a signal such as SIGSTOP; its peers wait for it"
+    )
+
+
 # -- a stuck rank: it beats, but its steps stopped ---------------------------------------
 
 
