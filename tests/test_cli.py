@@ -17,6 +17,7 @@ import pytest
 
 from purepp.runner.cli import main
 from purepp.runner.exit_codes import Exit, interrupted
+from purepp.runner.options import check_log_dir
 from purepp.runner.supervise import LOCK_FILE
 
 GOLDEN = Path(__file__).parent / "data" / "golden" / "pp2_spec2"
@@ -93,6 +94,14 @@ def test_log_dir_that_is_a_file_is_refused(
     line = _refused(capsys, "run", "--trace", str(blocker / "trace.json"))
     assert f"--trace {blocker / 'trace.json'} cannot be written" in line
     assert blocker.read_text() == "not a folder"
+
+
+def test_an_existing_log_dir_is_used_and_a_trace_on_a_device_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert check_log_dir(str(tmp_path)) == tmp_path  # a folder that is there already
+    line = _refused(capsys, "run", "--trace", os.devnull)
+    assert f"--trace {os.devnull} is not a regular file" in line
 
 
 def test_unwritable_places_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
