@@ -96,10 +96,13 @@ def test_log_dir_that_is_a_file_is_refused(
     assert blocker.read_text() == "not a folder"
 
 
-def test_an_existing_log_dir_is_used_and_a_trace_on_a_device_is_refused(
+def test_a_log_dir_is_used_or_made_and_a_trace_on_a_device_is_refused(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     assert check_log_dir(str(tmp_path)) == tmp_path  # a folder that is there already
+    nested = tmp_path / "runs" / "today"
+    assert check_log_dir(str(nested)) == nested
+    assert nested.is_dir()  # made, with the folder above it
     line = _refused(capsys, "run", "--trace", os.devnull)
     assert f"--trace {os.devnull} is not a regular file" in line
 
