@@ -96,15 +96,19 @@ def test_log_dir_that_is_a_file_is_refused(
     assert blocker.read_text() == "not a folder"
 
 
-def test_a_log_dir_is_used_or_made_and_a_trace_on_a_device_is_refused(
+def test_a_log_dir_is_used_or_made_and_a_trace_on_a_pipe_is_refused(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     assert check_log_dir(str(tmp_path)) == tmp_path  # a folder that is there already
     nested = tmp_path / "runs" / "today"
     assert check_log_dir(str(nested)) == nested
     assert nested.is_dir()  # made, with the folder above it
-    line = _refused(capsys, "run", "--trace", os.devnull)
-    assert f"--trace {os.devnull} is not a regular file" in line
+    # A pipe, not a device: were the check ever lost, the run would replace it, and
+    # a root run replacing /dev/null would break the machine.
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    line = _refused(capsys, "run", "--trace", str(fifo))
+    assert f"--trace {fifo} is not a regular file" in line
 
 
 def test_unwritable_places_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
