@@ -23,6 +23,7 @@ from purepp.errors import ConfigError
 from purepp.relay import Wire
 from purepp.testing import (
     RankOutputs,
+    Schedule,
     ScheduleConfig,
     make_schedule,
     record_scripted_rank,
@@ -65,15 +66,20 @@ class NoSyncPerform:
             torch.cuda.set_sync_debug_mode("default")
 
 
-def run_world_rank(config: ScheduleConfig, ctx: RankContext) -> RankRun:
-    schedule = make_schedule(config)
+def rank_interpreter(schedule: Schedule, ctx: RankContext) -> TorchInterpreter:
+    """This process's interpreter, over the communicators of the schedule's world."""
     groups = build_communicators(
         pp_groups=schedule.world.pp_groups,
         dp_groups=schedule.world.dp_groups,
         relay_backend=ctx.backend,
         timeout=ctx.timeout,
     )
-    interpreter = TorchInterpreter(device=ctx.device, groups=groups, rank=ctx.rank)
+    return TorchInterpreter(device=ctx.device, groups=groups, rank=ctx.rank)
+
+
+def run_world_rank(config: ScheduleConfig, ctx: RankContext) -> RankRun:
+    schedule = make_schedule(config)
+    interpreter = rank_interpreter(schedule, ctx)
     recorder = Recorder(scripted_header(schedule, ctx.rank), interpreter)
     perform = NoSyncPerform(recorder) if ctx.device.type == "cuda" else recorder
     outputs = run_scripted_rank(interpreter, schedule.world, ctx.rank, schedule, perform=perform)
@@ -151,13 +157,7 @@ def test_nccl_ranks_consume_and_record_what_the_simulator_does(config: ScheduleC
 def run_one_rank_world(ctx: RankContext) -> tuple[RankOutputs, list[str]]:
     """Run a one-rank schedule with the interpreter performing; collect two refusals."""
     schedule = make_schedule(ScheduleConfig(pp=1, dp=1, spec=1, steps=8, seed=5))
-    groups = build_communicators(
-        pp_groups=schedule.world.pp_groups,
-        dp_groups=schedule.world.dp_groups,
-        relay_backend=ctx.backend,
-        timeout=ctx.timeout,
-    )
-    interpreter = TorchInterpreter(device=ctx.device, groups=groups, rank=ctx.rank)
+    interpreter = rank_interpreter(schedule, ctx)
     refused = []
     other = make_schedule(ScheduleConfig(pp=2, dp=1, spec=1, steps=8, seed=5))
     for world, rank, wrong in ((other.world, 0, schedule), (schedule.world, 1, schedule)):
