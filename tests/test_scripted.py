@@ -236,7 +236,7 @@ def test_every_step_is_one_a_scheduler_and_a_sampler_could_produce(
 ) -> None:
     # The oracle above trusts the schedule; these are the schedule's own promises: chunked
     # prefills that end at the prompt, decodes of 1 + spec tokens, sampler outputs of a
-    # valid shape and count, tokens that name their step and row, and slots that change
+    # valid shape and count, positive tokens unique over the run, and slots that change
     # hands only through a free.
     schedule = make_schedule(config)
     seen_tokens: set[int] = set()
