@@ -30,7 +30,8 @@ from purepp.runner.workload import WorkloadConfig, make_workload
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _result(rank: int, outputs: dict[int, list[int]]) -> RankResult:
+def rank_result(rank: int, outputs: dict[int, list[int]]) -> RankResult:
+    """A rank's result with `outputs`; every other field a plausible constant."""
     return RankResult(
         rank=rank,
         stage=rank,
@@ -90,7 +91,7 @@ def test_the_heartbeat_writes_each_step(tmp_path: Path) -> None:
 
 
 def test_results_cross_processes_through_the_converter(tmp_path: Path) -> None:
-    results = (_result(0, {}), _result(1, {3: [5, 6], 10: []}))
+    results = (rank_result(0, {}), rank_result(1, {3: [5, 6], 10: []}))
     write_results(tmp_path / "results.json", results)
     assert read_results(tmp_path / "results.json") == results
 
@@ -115,7 +116,7 @@ def test_a_bad_results_file_is_refused_naming_the_value(
 
 def test_outputs_keep_integer_request_ids(tmp_path: Path) -> None:
     path = tmp_path / "results.json"
-    write_results(path, [_result(1, {3: [5]})])
+    write_results(path, [rank_result(1, {3: [5]})])
     text = path.read_text().replace("[[3, [5]]]", '{"3": [5]}')
     path.write_text(text)
     with pytest.raises(ResultsError, match="outputs"):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from purepp.errors import PeerFailureError, StaleTokenError
-from purepp.runner import rank_run, worker
+from purepp.runner import rank_run, supervise, worker
 from purepp.runner.exit_codes import Exit, RankExit
 from purepp.runner.progress import (
     KILL_RANK_ENV,
@@ -27,10 +26,12 @@ from purepp.runner.progress import (
     Heartbeat,
     read_beat,
 )
-from purepp.runner.results import RankResult, read_results
+from purepp.runner.results import read_results
 from purepp.runner.settings import RunSettings
+from tests.test_run_parts import rank_result
 
 SETTINGS = RunSettings(pp=2, dp=1, steps=5)
+OUTPUTS = {1: [4, 5]}  # what the results in these tests hold: any rank's will do
 
 
 class DistError(RuntimeError):
@@ -174,12 +175,6 @@ def test_bad_options_exit_with_the_usage_code_before_anything_starts(
     assert list(tmp_path.iterdir()) == []  # no heartbeat either
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_a_rank_whose_launcher_is_gone_exits_whatever_it_is_doing(tmp_path: Path) -> None:
     """The backstop for the parent-death signal: the rank watches its parent itself.
     This one waits in the rendezvous for a peer that never comes (for 300 s)."""
@@ -188,7 +183,7 @@ def test_a_rank_whose_launcher_is_gone_exits_whatever_it_is_doing(tmp_path: Path
         RANK="0",
         WORLD_SIZE="2",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(supervise._free_port()),
         **{PARENT_PID_ENV: "1"},  # not its parent: its launcher is gone
     )
     argv = ["--pp", "2", "--dp", "1", "--timeout", "300", "--progress-dir", str(tmp_path)]
@@ -302,7 +297,7 @@ class _Summary:
 def test_rank_0_prints_the_verdict_and_exits_by_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], ok: bool, code: int
 ) -> None:
-    gathered = (_result(0), _result(1))
+    gathered = (rank_result(0, OUTPUTS), rank_result(1, OUTPUTS))
     compared: list[object] = []
 
     def summarise(settings: RunSettings, results: object) -> _Summary:
@@ -327,33 +322,16 @@ def test_rank_0_prints_the_verdict_and_exits_by_it(
 # -- what rank 0 writes ----------------------------------------------------------------------
 
 
-def _result(rank: int) -> RankResult:
-    return RankResult(
-        rank=rank,
-        stage=rank,
-        replica=0,
-        steps=5,
-        seconds=0.5,
-        outputs={1: [4, 5]},
-        finished=(1,),
-        aborted=(),
-        drafts_proposed=2,
-        drafts_accepted=1,
-        padded_tokens=0,
-        eager_steps=0,
-    )
-
-
 def test_rank_0_writes_every_ranks_result_and_the_merged_trace(tmp_path: Path) -> None:
     events: list[dict[str, object]] = [{"name": "Broadcast", "ph": "X", "pid": 1}]
-    gathered: list[object] = [(_result(0), []), (_result(1), events)]
+    gathered: list[object] = [(rank_result(0, OUTPUTS), []), (rank_result(1, OUTPUTS), events)]
     trace = tmp_path / "trace.json"
     out = tmp_path / "out"
     written = rank_run._write_outputs(gathered, str(out), str(trace))
-    assert written == (_result(0), _result(1))
+    assert written == (rank_result(0, OUTPUTS), rank_result(1, OUTPUTS))
     assert read_results(out / "results.json") == written
     assert json.loads(trace.read_text()) == {"traceEvents": events, "displayTimeUnit": "ms"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "trace.json"]  # no .partial
     assert rank_run._write_outputs(gathered, None, None) == written
     with pytest.raises(RuntimeError, match="gathered int, not a rank's result"):
-        rank_run._write_outputs([(_result(0), []), 7], str(out), None)
+        rank_run._write_outputs([(rank_result(0, OUTPUTS), []), 7], str(out), None)
