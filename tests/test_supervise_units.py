@@ -140,10 +140,7 @@ def _world(
 
 
 def _wait_until_stopped(pid: int, stopped: bool) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while _is_stopped(pid) != stopped:
-        assert time.monotonic() < deadline, f"pid {pid} never became stopped={stopped}"
-        time.sleep(0.01)
+    _wait_until(lambda: _is_stopped(pid) == stopped, f"pid {pid} never became stopped={stopped}")
 
 
 def _gone(pid: int) -> bool:
