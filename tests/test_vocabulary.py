@@ -10,6 +10,8 @@ import attrs
 import pytest
 from hypothesis import given
 
+import purepp.effects
+from purepp.effects import vocabulary
 from purepp.effects._converter import CONVERTER
 from purepp.effects.log import load_log
 from purepp.effects.vocabulary import (
@@ -108,3 +110,12 @@ def test_every_effect_is_a_hashable_value_equal_to_its_copy(effect: Effect) -> N
     assert copy == effect
     assert hash(copy) == hash(effect)
     assert len({effect, copy}) == 1
+
+
+def test_the_effects_package_re_exports_the_whole_vocabulary() -> None:
+    # The README's table names Pack, Unpack and Synchronize; an embedder imports every
+    # effect from purepp.effects, as mypy --strict allows only names in its __all__.
+    assert set(purepp.effects.__all__) == set(vocabulary.__all__)
+    assert all(
+        getattr(purepp.effects, name) is getattr(vocabulary, name) for name in vocabulary.__all__
+    )

@@ -71,7 +71,8 @@ from purepp.effects.vocabulary import (
 from purepp.errors import ConfigError, InvalidInputError
 from purepp.layout import Layout
 
-__all__ = ["RankContext", "RankProgram", "SimulationResult", "simulate"]
+# CollectiveReportError: what `simulate` raises, importable beside it.
+__all__ = ["CollectiveReportError", "RankContext", "RankProgram", "SimulationResult", "simulate"]
 
 _CALL = "simulate"
 
