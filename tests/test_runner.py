@@ -18,6 +18,7 @@ from purepp.runner.toy_model import (
     ToyStage,
     layers_of_stage,
     next_token_rule,
+    propose_drafts,
     reference_generate,
 )
 from purepp.runner.workload import Request, WorkloadConfig, make_workload
@@ -63,6 +64,31 @@ def test_layers_are_split_contiguously_and_completely() -> None:
         layers = [list(layers_of_stage(s, pp, 8)) for s in range(pp)]
         assert [layer for stage in layers for layer in stage] == list(range(8))
         assert max(map(len, layers)) - min(map(len, layers)) <= 1
+
+
+def test_recomputing_positions_gives_what_the_history_gives() -> None:
+    """A rejected draft is corrected by computing its position again: a position's value
+    depends on its request's tokens alone, never on what the cache held there before."""
+    cpu = torch.device("cpu")
+    stage = ToyStage(range(3), 2, 16, cpu)
+    prompt = ForwardPlan.build(8, [1], [0], [[5, 17, 900]])
+    first = stage.forward(prompt, None)
+    assert torch.equal(stage.forward(prompt, None), first)  # position 0 included
+    stage.forward(ForwardPlan.build(8, [1], [2], [[901]]), None)  # a draft at 2, rejected
+    again = stage.forward(ForwardPlan.build(8, [1], [2], [[900]]), None)
+    assert int(again[0]) == int(first[2])
+
+
+def test_drafts_count_up_from_the_last_token_and_a_corrupt_one_is_wrong_first() -> None:
+    assert propose_drafts(7, 3, VOCAB, corrupt=False) == [8, 9, 10]
+    assert propose_drafts(VOCAB - 2, 3, VOCAB, corrupt=False) == [VOCAB - 1, 0, 1]
+    for last in (7, VOCAB - 1):
+        right = propose_drafts(last, 3, VOCAB, corrupt=False)
+        wrong = propose_drafts(last, 3, VOCAB, corrupt=True)
+        assert wrong[0] != right[0]
+        assert 0 <= wrong[0] < VOCAB
+        assert wrong[1:] == right[1:]  # only the first guess is forced wrong
+    assert propose_drafts(7, 0, VOCAB, corrupt=True) == []  # nothing to corrupt
 
 
 def _scheduler(spec: int = 0, pp: int = 2) -> Scheduler:
