@@ -12,11 +12,14 @@ A decode step on a rank of a PP x DP world is, in this order:
    and drafts (last stage), then end the relay's step.
 
 The phases hand each other typed values (`Begun`, `Agreed`), so a step cannot skip the
-agreement, agree twice, or forget to end: each phase takes only what the one before it
-returned. Each phase is a generator of effect tuples: the caller's driver performs every
-tuple before resuming it. `RankDriver` performs them at once on an interpreter (torch on
-CUDA or gloo, numpy, a recorder); the simulator's rank programs `yield from` the same
-phases. Tensors cross through a small seam, `StepIO`: bind the caller's tensors under
+agreement or forget to end: each phase takes only what the one before it returned. Each
+phase is a generator of effect tuples: the caller's driver performs every tuple before
+resuming it. `RankDriver` performs them at once on an interpreter (torch on CUDA or
+gloo, numpy, a recorder); the simulator's rank programs `yield from` the same phases.
+The phases are pure, so a value may be passed twice (a test replays a step that way);
+a `RankDriver`, which performs the effects, takes each value once and refuses a stale or
+reused one before issuing anything (a second `finish` would issue broadcasts no peer
+matches). Tensors cross through a small seam, `StepIO`: bind the caller's tensors under
 the relay's own input names (shapes and dtypes are read from what is bound), and read
 the reduced DP table.
 
@@ -46,7 +49,7 @@ from purepp.cudagraph import BatchExecutionDescriptor, Dispatcher
 from purepp.effects.arrays import IntArray
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.vocabulary import BufferRef, DType, Effect, TensorSpec
-from purepp.errors import InvalidInputError
+from purepp.errors import InterpreterError, InvalidInputError
 from purepp.relay import (
     ConsumedOutputs,
     RelayConfig,
@@ -86,6 +89,7 @@ __all__ = [
 
 T = TypeVar("T")
 R = TypeVar("R")
+P = TypeVar("P", "RankState", "Begun", "Agreed")
 
 # A phase: effect tuples to perform in order, then the phase's answer.
 StepPhase = Generator[tuple[Effect, ...], None, R]
@@ -255,11 +259,22 @@ def _expect(call: str, name: str, value: object, kind: type) -> None:
         )
 
 
-def _check_agree(call: str, config: object, begun: object, batch: object, shape: object) -> None:
+def _check_agree(
+    call: str, config: RankConfig, phase: tuple[str, object, type], batch: object, shape: ShapeFacts
+) -> None:
+    """The checks of a phase that starts an agreement; `phase` names the value it takes."""
     _expect(call, "config", config, RankConfig)
-    _expect(call, "begun", begun, Begun)
+    _expect(call, *phase)
     _expect(call, "batch", batch, BatchFacts)
     _expect(call, "shape", shape, ShapeFacts)
+    if config.dispatcher is None and not shape.need_eager:
+        # dp.start_agreement refuses it too, but would name itself and not the config.
+        raise InvalidInputError(
+            call,
+            "RankConfig.dispatcher is None but ShapeFacts.need_eager is False",
+            "pass RankConfig(dispatcher=...) (a CudaGraphDispatcher); only a profile run "
+            "with ShapeFacts(need_eager=True) may go without one",
+        )
 
 
 def _expect_io(call: str, io: object) -> None:
@@ -304,7 +319,7 @@ def agree(
     the group one collective apart. The drafter reuses the agreement (no collective).
     The start and the settle at once, with a synchronous all-reduce (no work handle).
     """
-    _check_agree("agree", config, begun, batch, shape)
+    _check_agree("agree", config, ("begun", begun, Begun), batch, shape)
     _expect_io("agree", io)
     begun = attrs.evolve(begun, relay=steps.free(config.relay, begun.relay, freed).state)
     begun = yield from start_agreement_phase(
@@ -328,7 +343,7 @@ def start_agreement_phase(
     settle overlaps it. Raises `dp.LaneBusyError` when this step's agreement is already
     in flight (started by `start_next_agreement` during the step before): settle that one.
     """
-    _check_agree("start_agreement_phase", config, begun, batch, shape)
+    _check_agree("start_agreement_phase", config, ("begun", begun, Begun), batch, shape)
     lanes, agreeing = yield from _start(
         config,
         begun.lanes,
@@ -357,6 +372,7 @@ def start_next_agreement(
     collectives pair in issue order). Raises `dp.LaneBusyError` when the next step's
     agreement is already in flight.
     """
+    _check_agree("start_next_agreement", config, ("agreed", agreed, Agreed), batch, shape)
     lanes, agreeing = yield from _start(
         config,
         agreed.lanes,
@@ -539,6 +555,7 @@ def _broadcast(
     io.bind(inputs.sampled_tokens, sampled.tokens)
     io.bind(inputs.num_sampled, sampled.num_sampled)
     io.bind(inputs.num_rejected, sampled.num_rejected)
+    _check_counts(config, batch, io)
     drafts = None
     if config.num_speculative_steps:
         if sampled.draft_table is None:
@@ -562,6 +579,29 @@ def _broadcast(
     sent = steps.broadcast_sampled(config, relay, batch, tokens, drafts)
     yield sent.effects
     return sent.state
+
+
+def _check_counts(config: RelayConfig, batch: BatchFacts, io: StepIO[T]) -> None:
+    """The counts just bound are [n] int32, checked before anything is issued: the pure
+    step describes only the tokens, and the interpreter would find out halfway through."""
+    rows = batch.num_reqs
+    for field, ref in (
+        ("num_sampled", config.inputs.num_sampled),
+        ("num_rejected", config.inputs.num_rejected),
+    ):
+        try:
+            spec = io.spec(ref)
+        except InterpreterError as error:
+            shown = error.problem
+        else:
+            if spec.shape == (rows,) and spec.dtype is DType.INT32:
+                continue
+            shown = f"it is {spec.dtype.value}{list(spec.shape)}"
+        raise InvalidInputError(
+            "finish",
+            f"Sampled.{field} is not int32[{rows}] for a batch of {rows} rows: {shown}",
+            f"pass {field} as an int32 tensor of shape [{rows}], one count per batch row",
+        )
 
 
 def perform_phase(phase: StepPhase[R], interpreter: Interpreter) -> R:
@@ -607,9 +647,26 @@ class RankDriver(Generic[T]):
         self.interpreter = interpreter
         self.io = io
         self.steps = steps
+        # The value the last phase returned: the only one the next phase may take (None
+        # before the first phase, which takes any value).
+        self._handed_out: RankState | Begun | Agreed | None = None
+
+    def _perform(self, call: str, given: object, phase: StepPhase[P]) -> P:
+        """Perform `phase`, whose input `given` must be the value the last phase returned."""
+        last = self._handed_out
+        if last is not None and given is not last:
+            raise InvalidInputError(
+                f"RankDriver.{call}",
+                f"{_described(given)} is not the value this driver last returned "
+                f"({_described(last)}): it was used already, or is stale",
+                "pass each phase the value the phase before it returned, once",
+            )
+        answer = perform_phase(phase, self.interpreter)
+        self._handed_out = answer
+        return answer
 
     def begin(self, state: RankState) -> Begun:
-        return perform_phase(begin(self.config, state, self.steps), self.interpreter)
+        return self._perform("begin", state, begin(self.config, state, self.steps))
 
     def agree(
         self,
@@ -619,25 +676,31 @@ class RankDriver(Generic[T]):
         *,
         freed: Sequence[int] | npt.NDArray[np.integer] = (),
     ) -> Agreed:
-        return perform_phase(
-            agree(self.config, begun, batch, shape, self.io, freed=freed, steps=self.steps),
-            self.interpreter,
-        )
+        phase = agree(self.config, begun, batch, shape, self.io, freed=freed, steps=self.steps)
+        return self._perform("agree", begun, phase)
 
     def start(self, begun: Begun, batch: BatchFacts, shape: ShapeFacts) -> Begun:
         phase = start_agreement_phase(self.config, begun, batch, shape, steps=self.steps)
-        return perform_phase(phase, self.interpreter)
+        return self._perform("start", begun, phase)
 
     def start_next(self, agreed: Agreed, batch: BatchFacts, shape: ShapeFacts) -> Agreed:
         phase = start_next_agreement(self.config, agreed, batch, shape, steps=self.steps)
-        return perform_phase(phase, self.interpreter)
+        return self._perform("start_next", agreed, phase)
 
     def settle(
         self, begun: Begun, *, freed: Sequence[int] | npt.NDArray[np.integer] = ()
     ) -> Agreed:
         phase = settle(self.config, begun, self.io, freed=freed, steps=self.steps)
-        return perform_phase(phase, self.interpreter)
+        return self._perform("settle", begun, phase)
 
     def finish(self, agreed: Agreed, sampled: Sampled[T] | None = None) -> RankState:
         phase = finish(self.config, agreed, self.io, sampled, self.steps)
-        return perform_phase(phase, self.interpreter)
+        return self._perform("finish", agreed, phase)
+
+
+def _described(value: object) -> str:
+    """A phase value as an error names it: its type and its relay step."""
+    relay = getattr(value, "relay", None)
+    if isinstance(relay, RelayState):
+        return f"the {type(value).__name__} of step {relay.step}"
+    return f"a value of type {type(value).__name__}"

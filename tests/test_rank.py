@@ -24,6 +24,7 @@ from purepp.effects.log import Recorder
 from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.torch_interpreter import TorchInterpreter, build_communicators
 from purepp.effects.vocabulary import Broadcast, BufferRef, Effect
+from purepp.errors import InvalidInputError
 from purepp.rank import RankDriver, Sampled, ShapeFacts, StepIO, init_rank
 from purepp.relay import Wire
 from purepp.testing import (
@@ -200,3 +201,159 @@ def test_the_driver_on_gloo_does_what_the_simulator_does(config: ScheduleConfig)
         assert run.outputs == outputs[rank], f"rank {rank}"
         assert run.effects == effects[rank], f"rank {rank}"
     assert config.pp == 1 or any(run.outputs.consumed for run in runs)
+
+
+# --- what the driver refuses, before it issues anything -------------------------------------
+
+
+@attrs.frozen
+class OneRank:
+    """A one-rank driver on numpy, recorded, and the first step of its schedule."""
+
+    schedule: Schedule
+    driver: RankDriver[npt.NDArray[Any]]
+    recorder: Recorder
+
+    def issued(self) -> int:
+        return len(self.recorder.log.effects)
+
+    def sampled(self, **changed: npt.NDArray[Any]) -> Sampled[npt.NDArray[Any]]:
+        planned = self.schedule.at(0, 0)
+        drafts = np.zeros((self.schedule.config.max_num_reqs, self.schedule.config.spec), np.int64)
+        arrays: dict[str, npt.NDArray[Any]] = {
+            "tokens": np.array(planned.sampled_tokens),
+            "num_sampled": np.array(planned.num_sampled),
+            "num_rejected": np.array(planned.num_rejected),
+            "draft_table": drafts,
+        }
+        arrays.update(changed)
+        return Sampled[npt.NDArray[Any]](**arrays)
+
+
+def one_rank_driver(**config: Any) -> OneRank:
+    schedule = make_schedule(one_rank(Wire.SEED, 2))
+    interpreter = NumpyInterpreter()
+    recorder = Recorder(scripted_header(schedule, 0), interpreter)
+    rank = attrs.evolve(rank_config(schedule, 0), **config)
+    return OneRank(schedule, RankDriver(rank, recorder, NumpyIO(interpreter)), recorder)
+
+
+def shape_of(schedule: Schedule, step: int) -> ShapeFacts:
+    planned = schedule.at(step, 0)
+    return ShapeFacts(
+        num_tokens=planned.num_tokens, uniform_token_count=planned.uniform_token_count
+    )
+
+
+def test_the_driver_takes_each_phase_value_once_and_refuses_a_stale_one() -> None:
+    world = one_rank_driver()
+    driver, batch = world.driver, world.schedule.at(0, 0).batch
+    first = init_rank(driver.config)
+    begun = driver.begin(first)
+    agreed = driver.agree(begun, batch, shape_of(world.schedule, 0))
+    state = driver.finish(agreed, world.sampled())
+    issued = world.issued()
+    reused: list[tuple[str, Callable[[], object], str]] = [
+        ("finish", lambda: driver.finish(agreed, world.sampled()), "the Agreed of step 0"),
+        (
+            "agree",
+            lambda: driver.agree(begun, batch, shape_of(world.schedule, 0)),
+            "the Begun of step 0",
+        ),
+        ("settle", lambda: driver.settle(begun), "the Begun of step 0"),
+        ("begin", lambda: driver.begin(first), "the RankState of step 0"),
+    ]
+    for call, again, described in reused:
+        with pytest.raises(InvalidInputError, match=rf"RankDriver\.{call}: {described}") as caught:
+            again()
+        assert "driver last returned (the RankState of step 1)" in str(caught.value)
+        assert "pass each phase the value the phase before it returned, once" in str(caught.value)
+    # Nothing was issued, and the driver goes on from the value it last returned.
+    assert world.issued() == issued
+    begun = driver.begin(state)
+    assert driver.agree(begun, world.schedule.at(1, 0).batch, shape_of(world.schedule, 1))
+    with pytest.raises(InvalidInputError, match=r"RankDriver\.begin: the RankState of step 1"):
+        driver.begin(state)
+
+
+def test_a_new_driver_takes_any_first_value_and_a_refused_call_can_be_retried() -> None:
+    world = one_rank_driver()
+    driver, batch = world.driver, world.schedule.at(0, 0).batch
+    begun = driver.begin(init_rank(driver.config))
+    with pytest.raises(InvalidInputError, match="ShapeFacts"):
+        driver.agree(begun, batch, "not a shape")  # type: ignore[arg-type]
+    agreed = driver.agree(begun, batch, shape_of(world.schedule, 0))  # the same value, again
+    assert driver.finish(agreed, world.sampled()).step == 1
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "shown"),
+    [
+        ("num_sampled", np.ones(4, np.int64), "it is int64[4]"),
+        ("num_rejected", np.zeros(3, np.int32), "it is int32[3]"),
+        ("num_sampled", np.ones((4, 1), np.int32), "it is int32[4, 1]"),
+    ],
+)
+def test_finish_refuses_counts_that_are_not_one_int32_per_row_before_issuing_anything(
+    field: str, value: npt.NDArray[Any], shown: str
+) -> None:
+    world = one_rank_driver()
+    driver = world.driver
+    batch = world.schedule.at(0, 0).batch
+    assert batch.num_reqs == 4  # the shapes above are wrong for this batch
+    agreed = driver.agree(
+        driver.begin(init_rank(driver.config)), batch, shape_of(world.schedule, 0)
+    )
+    issued = world.issued()
+    with pytest.raises(
+        InvalidInputError,
+        match=rf"finish: Sampled\.{field} is not int32\[4\] for a batch of 4 rows: ",
+    ) as caught:
+        driver.finish(agreed, world.sampled(**{field: value}))
+    assert shown in str(caught.value)
+    assert f"pass {field} as an int32 tensor of shape [4]" in str(caught.value)
+    assert world.issued() == issued
+    assert driver.finish(agreed, world.sampled()).step == 1  # the corrected call goes through
+
+
+def test_a_missing_dispatcher_is_named_on_the_rank_config() -> None:
+    world = one_rank_driver(dispatcher=None)
+    driver, batch = world.driver, world.schedule.at(0, 0).batch
+    begun = driver.begin(init_rank(driver.config))
+    for attempt in (
+        lambda: driver.agree(begun, batch, shape_of(world.schedule, 0)),
+        lambda: driver.start(begun, batch, shape_of(world.schedule, 0)),
+    ):
+        with pytest.raises(InvalidInputError, match=r"RankConfig\.dispatcher is None") as caught:
+            attempt()
+        assert "pass RankConfig(dispatcher=...)" in str(caught.value)
+    # A profile run forces eager and needs no dispatcher.
+    agreed = driver.agree(begun, batch, ShapeFacts(num_tokens=4, need_eager=True))
+    assert agreed.descriptor.cg_mode.name == "NONE"
+    with pytest.raises(InvalidInputError, match=r"start_next_agreement: RankConfig\.dispatcher"):
+        driver.start_next(agreed, world.schedule.at(1, 0).batch, shape_of(world.schedule, 1))
+
+
+def test_finish_names_a_float_count_that_the_torch_interpreter_binds() -> None:
+    import torch
+
+    schedule = make_schedule(one_rank(Wire.SEED, 2))
+    # A one-rank group decides at once, and finish checks before it issues: no communicator.
+    interpreter = TorchInterpreter(device=torch.device("cpu"), groups={}, rank=0)
+    driver = RankDriver(rank_config(schedule, 0), interpreter, TorchIO(interpreter))
+    agreed = driver.agree(
+        driver.begin(init_rank(driver.config)), schedule.at(0, 0).batch, shape_of(schedule, 0)
+    )
+    planned = schedule.at(0, 0)
+    sampled = Sampled(
+        tokens=torch.tensor(planned.sampled_tokens),
+        num_sampled=torch.tensor(planned.num_sampled),
+        num_rejected=torch.zeros(4, dtype=torch.float32),
+        draft_table=torch.zeros((schedule.config.max_num_reqs, 2), dtype=torch.int64),
+    )
+    with pytest.raises(
+        InvalidInputError, match=r"finish: Sampled\.num_rejected is not int32\[4\] for"
+    ) as caught:
+        driver.finish(agreed, sampled)
+    assert "buffer 'relay.input.num_rejected' is float32" in str(caught.value)
+    assert "pass num_rejected as an int32 tensor of shape [4]" in str(caught.value)
