@@ -165,6 +165,15 @@ def test_sender_width_mismatch_is_reported_at_the_op_that_diverged() -> None:
     assert report.fix().startswith("derive wire shapes and dtypes from static configuration")
 
 
+def test_two_ranks_that_disagree_name_no_culprit() -> None:
+    # One sender and one receiver: the posts cannot tell which of the two is wrong.
+    report = match_collectives(relay_world(2, steps=5, plain_step=2), Layout(pp=2, dp=1))
+    assert report is not None
+    assert (report.rank, report.peer, report.classification) == (0, 1, MismatchClass.SIZE)
+    assert report.culprit is None
+    assert report.render().endswith("  mismatch: size; culprit: none (as many ranks on each side)")
+
+
 def test_the_report_renders_both_sides() -> None:
     report = match_collectives(relay_world(3, steps=5, plain_step=2), Layout(pp=3, dp=1))
     assert report is not None

@@ -215,8 +215,9 @@ class MismatchReport:
     received: CollectiveSignature | None  # what `peer` posted as op `seq`
     differing: tuple[MismatchField, ...]  # fields that disagree; empty when unmatched
     missing: tuple[int, ...]  # members that never posted op `seq`
-    # the member to blame: the odd one out among the posts (`rank` when there is no
-    # majority); for an unmatched op, the lowest missing member
+    # the member to blame: the odd one out among the posts, None on a tie (two ranks,
+    # say), where the posts cannot tell who is wrong; for an unmatched op, the lowest
+    # missing member
     culprit: int | None = None
 
     @property
@@ -228,11 +229,6 @@ class MismatchReport:
             (cls for field, cls in _CLASS_OF_FIELD if field in self.differing),
             MismatchClass.SOURCE,
         )
-
-    @property
-    def blamed(self) -> int:
-        """The culprit rank (`rank` when none was singled out)."""
-        return self.rank if self.culprit is None else self.culprit
 
     @property
     def comm(self) -> Communicator:
@@ -257,7 +253,11 @@ class MismatchReport:
 
     def classify_line(self) -> str:
         """E.g. `mismatch: size; culprit: rank 2`."""
-        return f"mismatch: {self.classification.value}; culprit: rank {self.blamed}"
+        if self.culprit is None:
+            blamed = "none (as many ranks on each side)"
+        else:
+            blamed = f"rank {self.culprit}"
+        return f"mismatch: {self.classification.value}; culprit: {blamed}"
 
     def _render_body(self) -> str:
         where = f"op #{self.seq} on {self.instance.describe()}"
@@ -568,10 +568,13 @@ def check_posts(
     return None
 
 
-def _odd_one_out(posts: Mapping[int, CollectiveSignature], rank: int, reference: int) -> int:
-    """Of two disagreeing members, the one fewer members side with (fr_trace's culprit)."""
+def _odd_one_out(posts: Mapping[int, CollectiveSignature], rank: int, reference: int) -> int | None:
+    """Of two disagreeing members, the one fewer members side with (fr_trace's culprit);
+    None when as many side with each, as two ranks always do."""
     with_rank = sum(not _differing(post, posts[rank]) for post in posts.values())
     with_reference = sum(not _differing(post, posts[reference]) for post in posts.values())
+    if with_rank == with_reference:
+        return None
     return reference if with_rank > with_reference else rank
 
 
