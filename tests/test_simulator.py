@@ -1158,21 +1158,31 @@ def test_alone_a_rank_cannot_receive_from_another() -> None:
         )
 
 
+def _lone_all_reduce(table: list[list[int]]) -> AllReduce:
+    return AllReduce(
+        step=0,
+        op=Op.AGREE,
+        contribution=np.array(table),
+        result=BufferRef("t"),
+        comm=Communicator.DP_CPU,
+        work=None,
+    )
+
+
 def test_alone_an_all_reduce_returns_the_contribution() -> None:
     interpreter = NumpyInterpreter()
-    interpreter.perform(
-        (
-            AllReduce(
-                step=0,
-                op=Op.AGREE,
-                contribution=np.array([[3, 0]]),
-                result=BufferRef("t"),
-                comm=Communicator.DP_CPU,
-                work=None,
-            ),
-        )
-    )
-    np.testing.assert_array_equal(interpreter.host_array(BufferRef("t")), [[3, 0]])
+    interpreter.perform((_lone_all_reduce([[3], [1]]),))
+    np.testing.assert_array_equal(interpreter.host_array(BufferRef("t")), [[3], [1]])
+
+
+def test_alone_an_all_reduce_over_a_larger_group_is_refused() -> None:
+    # Summed alone, the absent rank's column would stay 0: it would look idle, and the
+    # group would quietly decide for a world that does not exist.
+    interpreter = NumpyInterpreter(rank=0)
+    with pytest.raises(InterpreterError, match="all-reduce over a group of 2 ranks") as caught:
+        interpreter.perform((_lone_all_reduce([[3, 0]]),))
+    assert "lone interpreter of rank 0" in str(caught.value)
+    assert "purepp.effects.simulator.simulate" in str(caught.value)
 
 
 def test_the_numpy_interpreter_is_an_interpreter() -> None:

@@ -16,8 +16,8 @@ docstrings), with streams modelled explicitly so that ordering bugs show up:
   with `POISON`, so reading data that was never written is visible.
 - Collectives go to a `CollectivePort`. Alone (the default port), only a
   one-member world is possible: a broadcast from this rank and an all-reduce of
-  this rank's table complete at once. The simulator supplies a port that matches
-  and moves data between ranks.
+  this rank's one-column table complete at once, and any other collective is refused.
+  The simulator supplies a port that matches and moves data between ranks.
 - `CheckHeader` is a kernel on its stream: it compares once the header's broadcast
   has completed, and a mismatch raises `HeaderMismatchError` (naming this rank, the
   step and both headers) from whichever call ran it; in the simulator the run stops.
@@ -202,6 +202,16 @@ class _SoloPort:
             raise InterpreterError(
                 _describe(effect),
                 f"broadcast from rank {effect.src} in the lone interpreter of rank {self._rank}",
+                "run multi-rank programs in purepp.effects.simulator.simulate",
+            )
+        # A table has a column per member: summed alone, the absent members' columns would
+        # stay zero and the group would quietly decide as if they were idle.
+        table = effect.contribution if isinstance(effect, AllReduce) else None
+        if table is not None and table.ndim == 2 and table.shape[1] > 1:
+            raise InterpreterError(
+                _describe(effect),
+                f"all-reduce over a group of {table.shape[1]} ranks in the lone "
+                f"interpreter of rank {self._rank}",
                 "run multi-rank programs in purepp.effects.simulator.simulate",
             )
 
