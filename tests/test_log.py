@@ -687,6 +687,16 @@ def test_the_recorder_rejects_a_non_effect_and_records_nothing(tmp_path: Path) -
     assert load_log(tmp_path / "rank.jsonl") == EffectLog(HEADER, ())
 
 
+@pytest.mark.parametrize("where", ["missing/rank.jsonl", "."])
+def test_a_recorder_path_that_cannot_be_written_is_named(tmp_path: Path, where: str) -> None:
+    path = tmp_path / where  # a folder that does not exist, or a folder itself
+    with pytest.raises(InvalidInputError, match=r"Recorder: path=.* cannot be written") as caught:
+        Recorder(HEADER, path=path)
+    assert str(path) in str(caught.value)
+    assert "pass a file path in an existing folder" in str(caught.value)
+    assert sorted(tmp_path.iterdir()) == []  # nothing was made
+
+
 @settings(max_examples=30)
 @given(effect_logs(), st.data())
 def test_a_streaming_recorder_file_is_always_the_log_so_far(

@@ -44,7 +44,14 @@ class Recorder:
         self._numbering = Numbering()
         self._records: list[LogRecord] = []
         if self._path is not None:
-            self._path.write_text(header_json(header) + "\n", encoding="ascii")
+            try:
+                self._path.write_text(header_json(header) + "\n", encoding="ascii")
+            except OSError as error:
+                raise InvalidInputError(
+                    "Recorder",
+                    f"path={str(path)!r} cannot be written ({error.strerror})",
+                    "pass a file path in an existing folder this process may write to",
+                ) from error
 
     @property
     def header(self) -> LogHeader:
