@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from purepp.effects.checker import check_logs
 from purepp.errors import ConfigError
 from purepp.runner.cli import launch
 from purepp.runner.parity import check_parity
@@ -215,6 +218,51 @@ def test_steps_given_are_all_run_though_every_request_finished_sooner() -> None:
     unbounded = launch(RunSettings(pp=2, dp=1, requests=2, timeout_s=30))
     assert unbounded.steps < steps
     assert unbounded.tokens == summary.tokens
+
+
+def _agreed_ahead(logs: Path) -> dict[str, int]:
+    """Per rank log, the steps T whose relay effects come after step T + 1's all-reduce:
+    the steps during which the next step's agreement was started."""
+    ahead = {}
+    for name, lines in _records(logs).items():
+        effects = [json.loads(line)["effect"] for line in lines]
+        started = set()  # steps whose agreement was issued so far
+        overlapped = set()
+        for effect in effects:
+            if effect["kind"] == "all_reduce":
+                started.add(effect["step"])
+            elif effect["op"] in {"receive", "broadcast"} and effect["step"] + 1 in started:
+                overlapped.add(effect["step"])
+        ahead[name] = len(overlapped)
+    return ahead
+
+
+@pytest.mark.multiprocess
+def test_an_overlapped_run_matches_the_single_stage_run_and_agrees_a_step_ahead(
+    tmp_path: Path,
+) -> None:
+    """`--overlap-agreement`: each step's agreement is started during the step before,
+    and the tokens are still the single-stage run's, token for token."""
+    for overlap in (True, False):
+        logs = tmp_path / str(overlap)
+        settings = RunSettings(
+            pp=2, dp=2, spec=1, requests=10, timeout_s=30, overlap_agreement=overlap
+        )
+        started = time.monotonic()
+        summary = launch(settings, log_dir=str(logs))
+        assert 0 < summary.seconds < time.monotonic() - started  # the loops', inside the run
+        assert summary.verdict.ok, summary.verdict.render()
+        assert summary.verdict.exact == summary.requests - summary.aborted
+        assert summary.verdict.prefixes == summary.aborted > 0
+        assert 0 < summary.drafts_accepted < summary.drafts_proposed
+        assert check_logs(logs).ok
+        ahead = _agreed_ahead(logs)
+        assert len(ahead) == 4
+        if overlap:
+            # Every rank relayed during steps whose successor's all-reduce was already out.
+            assert all(count > 0 for count in ahead.values()), ahead
+        else:
+            assert set(ahead.values()) == {0}, ahead
 
 
 def _records(logs: Path) -> dict[str, list[str]]:
