@@ -311,3 +311,14 @@ def test_a_captured_run_replays_graphs_and_matches_the_single_stage_run(wire: st
     assert summary.verdict.ok, summary.verdict.render()
     assert summary.verdict.exact > 0
     assert summary.plans.replayed > summary.plans.lowered, summary.plans
+
+
+@pytest.mark.multiprocess
+def test_launch_draws_progress_on_stderr_unless_told_not_to(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    settings = RunSettings(pp=1, dp=1, requests=2, timeout_s=30)
+    assert launch(settings).verdict.ok
+    assert "step" in capfd.readouterr().err  # a line per tenth of the run (not a terminal)
+    assert launch(settings, progress=False).verdict.ok
+    assert capfd.readouterr().err == ""

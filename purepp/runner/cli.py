@@ -34,11 +34,12 @@ def launch(
     log_dir: str | None = None,
     trace: str | None = None,
     run_id: str | None = None,
+    progress: bool = True,
 ) -> RunSummary:
     """`purepp.runner.supervise.launch`, imported when a run starts (`--help` stays fast)."""
     from purepp.runner.supervise import launch as start
 
-    return start(settings, log_dir=log_dir, trace=trace, run_id=run_id)
+    return start(settings, log_dir=log_dir, trace=trace, run_id=run_id, progress=progress)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -520,8 +520,9 @@ def _show_progress(world: _World, last_shown: list[int]) -> None:
         last_shown[0] = tenth
 
 
-def _wait(worlds: Sequence[_World], timeout_s: float, show: _World) -> None:
-    """Until every world is done; RankFailure when a rank fails, freezes or hangs."""
+def _wait(worlds: Sequence[_World], timeout_s: float, show: _World | None) -> None:
+    """Until every world is done; RankFailure when a rank fails, freezes or hangs.
+    `show`: the world whose progress is drawn on stderr (None: draw nothing)."""
     last_shown = [-1]
     while not all(world.done() for world in worlds):
         now = time.monotonic()
@@ -533,8 +534,11 @@ def _wait(worlds: Sequence[_World], timeout_s: float, show: _World) -> None:
             message = world.failure() or world.frozen(now, timeout_s) or world.hung(now, timeout_s)
             if message is not None:
                 raise RankFailure(message)
-        _show_progress(show, last_shown)
+        if show is not None:
+            _show_progress(show, last_shown)
         time.sleep(_POLL_S)
+    if show is None:
+        return
     show.observe(time.monotonic())
     _show_progress(show, last_shown)
     if sys.stderr.isatty() and last_shown[0] >= 0:
@@ -604,8 +608,10 @@ def launch(
     log_dir: str | None = None,
     trace: str | None = None,
     run_id: str | None = None,
+    progress: bool = True,
 ) -> RunSummary:
     """Run the world and the single-stage reference side by side; summarise both.
+    With `progress` the run's steps are drawn on stderr as it goes.
 
     Raises UsageError before anything starts (a bad path, a log folder in use),
     RankFailure when a rank or the reference fails, freezes or hangs, and
@@ -631,7 +637,7 @@ def launch(
         started = stack.enter_context(_stopped_on_exit())
         world = _World("run", settings.world_size, argv, tmp / "run", started)
         reference = _reference_world(settings, tmp / "ref", started)
-        _wait([world, reference], settings.timeout_s, show=world)
+        _wait([world, reference], settings.timeout_s, show=world if progress else None)
         return summarise(settings, world.results(), reference.results())
     raise AssertionError("unreachable: the with block returns or raises")  # for mypy
 
