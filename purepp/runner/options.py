@@ -69,7 +69,11 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         help=f"speculative steps, 0..{MAX_SPECULATIVE_STEPS} (default {d.spec})",
     )
     add("--seed", default=d.seed, help=f"workload seed, 0 or more (default {d.seed})")
-    add("--backend", default=d.backend, help="gloo (CPU) or nccl (one GPU per rank)")
+    add(
+        "--backend",
+        default=d.backend,
+        help=f"gloo (CPU) or nccl, a GPU per rank (default {d.backend})",
+    )
     add(
         "--timeout",
         default=d.timeout_s,
