@@ -8,10 +8,16 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
+import attrs
 import pytest
 
+from purepp.effects.log import load_logs
+from purepp.effects.recorder import Recorder
+from purepp.effects.vocabulary import COLLECTIVES, Broadcast
 from purepp.errors import ConfigError
 from purepp.runner.options import (
     MAX_TIMEOUT_S,
@@ -22,9 +28,17 @@ from purepp.runner.options import (
 )
 from purepp.runner.parity import check_parity
 from purepp.runner.progress import Beat, Heartbeat, read_beat, write_beat
-from purepp.runner.results import RankResult, ResultsError, read_results, write_results
+from purepp.runner.results import (
+    PlanCounts,
+    RankResult,
+    ResultsError,
+    read_results,
+    write_results,
+)
 from purepp.runner.settings import MAX_SPECULATIVE_STEPS, RunSettings
+from purepp.runner.summary import summarise
 from purepp.runner.supervise import _Rank, without_source_paths, worker_argv
+from purepp.runner.trace import Tracer
 from purepp.runner.workload import WorkloadConfig, make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +99,41 @@ def test_the_heartbeat_writes_each_step(tmp_path: Path) -> None:
     final = read_beat(path)
     assert final is not None
     assert final.count > beat.count
+
+
+# A rank process that beats on its own, with no step done, then ends without stopping
+# its heartbeat, as a rank that succeeded does. argv: the beat file, then "none" (no
+# parent to watch: a rank run by torchrun) or "parent" (its launcher, alive).
+_BEATING_RANK = """
+import os, sys, time
+from pathlib import Path
+from purepp.runner.progress import Heartbeat, read_beat
+path = Path(sys.argv[1])
+parent = None if sys.argv[2] == "none" else os.getppid()
+Heartbeat(path, total=5, parent_pid=parent).start()
+while (beat := read_beat(path)) is None or beat.count < 4:
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("parent", ["none", "parent"])
+def test_a_rank_beats_while_its_launcher_lives_and_its_heartbeat_never_holds_it(
+    tmp_path: Path, parent: str
+) -> None:
+    """The thread beats with no step done, whether it watches a parent or not; and the
+    heartbeat never keeps a rank process from exiting."""
+    path = tmp_path / "rank0"
+    ended = subprocess.run(
+        [sys.executable, "-c", _BEATING_RANK, str(path), parent],
+        capture_output=True,
+        text=True,
+        timeout=120,  # a guard only: a heartbeat that held the process would hang here
+        check=False,
+    )
+    assert ended.returncode == 0, ended.stderr[-2000:]
+    beat = read_beat(path)
+    assert beat is not None
+    assert (beat.done, beat.total, beat.leaving) == (0, 5, False)
 
 
 # -- results ------------------------------------------------------------------------
@@ -156,6 +205,121 @@ def test_a_run_past_a_finished_reference_is_a_mismatch() -> None:
     verdict = check_parity({0: [1, 2, 3]}, frozenset(), {0: [1, 2]}, frozenset({0}))
     assert verdict.mismatch is not None
     assert verdict.mismatch.why == "ran past the reference's end"
+
+
+# -- the summary ----------------------------------------------------------------------
+
+
+def _stage_result(
+    rank: int, stage: int, outputs: dict[int, list[int]], **fields: Any
+) -> RankResult:
+    return attrs.evolve(rank_result(rank, outputs), stage=stage, **fields)
+
+
+def test_the_summary_takes_tokens_from_the_last_stages_and_time_from_every_rank() -> None:
+    """A 2 x 2 run: only the last stages sample, so only theirs are the run's tokens and
+    drafts; steps, time and plans are every rank's."""
+    first = dict(drafts_proposed=50, drafts_accepted=50, padded_tokens=50, eager_steps=50)
+    results = [
+        _stage_result(0, 0, {1: [9, 9, 9, 9]}, finished=(1,), aborted=(3,), steps=12, **first),
+        _stage_result(1, 1, {1: [4, 5, 6], 2: [7]}, finished=(1,), aborted=(2,), seconds=0.5),
+        _stage_result(2, 0, {}, seconds=0.75, plans=PlanCounts(lowered=1, planned=2, eager=3)),
+        _stage_result(
+            3,
+            1,
+            {3: [8, 8]},
+            finished=(3,),
+            aborted=(),
+            drafts_proposed=5,
+            drafts_accepted=0,
+            padded_tokens=4,
+            eager_steps=2,
+            plans=PlanCounts(lowered=1, replayed=4),
+        ),
+    ]
+    # The reference, bounded by --steps, did not finish request 3: compared as a prefix.
+    reference = [_stage_result(0, 0, {1: [4, 5, 6], 2: [7, 1], 3: [8]}, finished=(1, 2), steps=11)]
+    summary = summarise(RunSettings(pp=2, dp=2, requests=5), results, reference)
+    assert (summary.steps, summary.reference_steps, summary.seconds) == (12, 11, 0.75)
+    assert (summary.requests, summary.tokens, summary.aborted) == (5, 6, 1)
+    assert (summary.drafts_proposed, summary.drafts_accepted) == (9, 2)
+    assert (summary.padded_tokens, summary.eager_steps) == (5, 2)
+    assert summary.plans == PlanCounts(lowered=2, planned=2, replayed=4, eager=3)
+    assert summary.verdict.ok, summary.verdict.render()
+    assert (summary.verdict.exact, summary.verdict.prefixes, summary.verdict.compared) == (1, 2, 5)
+    lines = summary.render().splitlines()
+    assert lines[0] == "purepp run: pp=2 x dp=2 on gloo, spec=2, seed=0"
+    assert "  tokens           6 in 0.75 s (8.0 tokens/s)" in lines
+    assert "  drafts accepted  2/9" in lines
+    assert "  steps            12 (the single-stage reference: 11)" in lines
+
+
+def test_a_summary_of_nothing_renders() -> None:
+    """No rank reported a step (a run of no steps): no rate and no drafts to divide by."""
+    settings = RunSettings(pp=2, dp=1, validate_header=True, interpreter="plan")
+    summary = summarise(settings, [], [])
+    assert (summary.steps, summary.reference_steps, summary.seconds) == (0, 0, 0.0)
+    assert summary.verdict.nothing_compared
+    lines = summary.render().splitlines()
+    assert lines[0].endswith(", relay header validated")
+    assert "  interpreter      plan: 0 plans lowered; batches run 0 by a plan, 0 eagerly" in lines
+    assert "  tokens           0 in 0.00 s (0.0 tokens/s)" in lines
+    assert "  drafts accepted  none" in lines
+
+
+# -- the trace ------------------------------------------------------------------------
+
+
+def test_the_trace_has_a_slice_per_effect_on_its_streams_track_numbered_like_the_log() -> None:
+    """Each effect of a recorded PP x DP rank goes on, in order, to the interpreter the
+    tracer wraps, and becomes a slice on its stream's track (host for host work), with
+    its communicator's sequence number as the effect log counts it."""
+    log = load_logs(ROOT / "tests" / "data" / "golden" / "dp2")[1]
+    recorder = Recorder(log.header)
+    tracer = Tracer(rank=5, inner=recorder)
+    before = time.time_ns()
+    tracer.perform(tuple(record.effect for record in log.records))
+    after = time.time_ns()
+    assert recorder.log == log
+    meta = [e for e in tracer.events if e["ph"] == "M"]
+    assert {"name": "process_name", "ph": "M", "pid": 5, "args": {"name": "rank 5"}} in meta
+    tracks = {e["tid"]: e["args"] for e in meta if e["name"] == "thread_name"}
+    assert sorted(tracks.values(), key=str) == [{"name": t} for t in ("host", "main", "relay")]
+    slices = [e for e in tracer.events if e["ph"] == "X"]
+    assert len(slices) == len(log.records)
+    comms = set()
+    for event, record in zip(slices, log.records, strict=True):
+        effect = record.effect
+        assert (event["name"], event["pid"], event["cat"]) == (
+            type(effect).__name__,
+            5,
+            effect.op.value,
+        )
+        stream = getattr(effect, "stream", None)
+        track = "host" if stream is None else stream.value
+        assert tracks[event["tid"]] == {"name": track}, effect
+        args = event["args"]
+        assert isinstance(args, dict)
+        assert (args["step"], args["op"]) == (effect.step, effect.op.value)
+        if isinstance(effect, COLLECTIVES):
+            comms.add(effect.comm)
+            assert (args["comm"], args["comm_seq"]) == (effect.comm.value, record.comm_seq)
+        else:
+            assert "comm" not in args
+        if isinstance(effect, Broadcast):
+            assert (args["shape"], args["dtype"], args["src"]) == (
+                list(effect.shape),
+                effect.dtype.value,
+                effect.src,
+            )
+        else:
+            assert "shape" not in args
+        start, length = event["ts"], event["dur"]
+        assert isinstance(start, float)
+        assert isinstance(length, float)
+        assert before / 1000 <= start <= after / 1000  # microseconds, on the wall clock
+        assert 0 < length < start  # a duration, not a point in time
+    assert len(comms) > 1  # sequence numbers are each communicator's own
 
 
 # -- option bounds ---------------------------------------------------------------------
