@@ -316,6 +316,17 @@ class CudaGraphDispatcher:
         the largest; counts with no LoRA case captured (or 0) stay as they are, and a
         count no graph was captured for runs eager.
         """
+        active = check_int(
+            "CudaGraphDispatcher.effective_loras",
+            "num_active_loras",
+            num_active_loras,
+            0,
+            fix="pass the count of active LoRA adapters, an int >= 0",
+        )
+        return self._effective_loras(active)
+
+    def _effective_loras(self, num_active_loras: int) -> int:
+        """`effective_loras` of a count `dispatch` checked already."""
         with_lora = [c for c in self.lora_capture_cases if c > 0]
         if num_active_loras <= 0 or not with_lora:
             return num_active_loras
@@ -367,7 +378,7 @@ class CudaGraphDispatcher:
         num_active_loras: int,
         max_query_len: int | None,
     ) -> BatchExecutionDescriptor:
-        loras = self.effective_loras(num_active_loras)
+        loras = self._effective_loras(num_active_loras)
         if num_tokens > 0:
             for mode in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
                 fitting = [

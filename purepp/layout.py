@@ -7,10 +7,15 @@ simulator and the runner loop can name ranks without importing the effect log.
 from __future__ import annotations
 
 import attrs
+import numpy as np
 
 from purepp.errors import ConfigError
 
 __all__ = ["Layout"]
+
+
+# Ranks are int32 everywhere downstream (headers, torch.distributed): a larger size is a typo.
+_MAX_SIZE = 2**31 - 1
 
 
 def _at_least_one(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -18,6 +23,23 @@ def _at_least_one(instance: object, attribute: attrs.Attribute[int], value: int)
         raise ConfigError(
             "Layout", f"{attribute.name} must be an integer >= 1, got {value!r}", "pass a size >= 1"
         )
+    if value > _MAX_SIZE:
+        raise ConfigError(
+            "Layout",
+            f"{attribute.name}={value} is past {_MAX_SIZE}",
+            f"pass {attribute.name} in 1..{_MAX_SIZE}",
+        )
+
+
+def _index(call: str, name: str, value: object) -> int:
+    """`value` when it is an int (a numpy integer too); a float or a bool is refused."""
+    if type(value) is int:  # the common case first: the matcher asks per collective
+        return value
+    if isinstance(value, np.integer):
+        return int(value)
+    raise ConfigError(
+        call, f"{name}={value!r} is a {type(value).__name__}, not an int", f"pass {name} as an int"
+    )
 
 
 @attrs.frozen
@@ -45,6 +67,8 @@ class Layout:
 
     def rank_of(self, *, pp_stage: int, dp_index: int) -> int:
         """The global rank of stage `pp_stage` of replica `dp_index`."""
+        pp_stage = _index("Layout.rank_of", "pp_stage", pp_stage)
+        dp_index = _index("Layout.rank_of", "dp_index", dp_index)
         if not (0 <= pp_stage < self.pp and 0 <= dp_index < self.dp):
             raise ConfigError(
                 "Layout.rank_of",
@@ -55,10 +79,12 @@ class Layout:
 
     def pipeline(self, dp_index: int) -> tuple[int, ...]:
         """Global ranks of replica `dp_index`'s stages, first stage first (PP groups)."""
+        dp_index = _index("Layout.pipeline", "dp_index", dp_index)
         return tuple(self.rank_of(pp_stage=s, dp_index=dp_index) for s in range(self.pp))
 
     def replicas(self, pp_stage: int) -> tuple[int, ...]:
         """Global ranks running stage `pp_stage` in every replica (DP groups)."""
+        pp_stage = _index("Layout.replicas", "pp_stage", pp_stage)
         return tuple(self.rank_of(pp_stage=pp_stage, dp_index=d) for d in range(self.dp))
 
     @property
@@ -70,6 +96,7 @@ class Layout:
         return tuple(self.replicas(s) for s in range(self.pp))
 
     def _check_rank(self, call: str, rank: int) -> int:
+        rank = _index(call, "rank", rank)
         if not 0 <= rank < self.world_size:
             raise ConfigError(
                 call,

@@ -37,6 +37,7 @@ order, does not run it yet.)
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
+from types import GeneratorType
 from typing import Generic, Protocol, TypeVar
 
 import attrs
@@ -149,6 +150,14 @@ class RankConfig:
     def __attrs_post_init__(self) -> None:
         _expect("RankConfig", "relay", self.relay, RelayConfig)
         _expect("RankConfig", "group", self.group, dp.AgreementGroup)
+        for name in ("dispatcher", "drafter_dispatcher"):
+            value = getattr(self, name)
+            if value is not None and not callable(getattr(value, "dispatch", None)):
+                raise InvalidInputError(
+                    "RankConfig",
+                    f"{name} is a {type(value).__name__}, which has no dispatch method",
+                    f"pass {name} as a CudaGraphDispatcher (or any Dispatcher), or None",
+                )
 
     @property
     def is_last_stage(self) -> bool:
@@ -277,6 +286,16 @@ def _check_agree(
         )
 
 
+def _expect_steps(call: str, steps: object) -> None:
+    # isinstance, not type(): a research runner may pass a subclass of RankSteps.
+    if not isinstance(steps, RankSteps):
+        raise InvalidInputError(
+            call,
+            f"steps is a {type(steps).__name__}",
+            "pass a RankSteps (attrs.evolve(REAL_STEPS, ...) to swap one step), or leave it out",
+        )
+
+
 def _expect_io(call: str, io: object) -> None:
     if not all(callable(getattr(io, m, None)) for m in ("bind", "spec", "upload", "host_table")):
         raise InvalidInputError(
@@ -294,6 +313,7 @@ def begin(config: RankConfig, state: RankState, steps: RankSteps = REAL_STEPS) -
     """Phase 1: consume the relay entry from `ring_depth` steps ago (non-last stages)."""
     _expect("begin", "config", config, RankConfig)
     _expect("begin", "state", state, RankState)
+    _expect_steps("begin", steps)
     if config.is_last_stage:
         return Begun(relay=state.relay, lanes=state.lanes, consumed=None, agreeing=state.agreeing)
     taken = steps.consume(config.relay, state.relay, update_drafts=config.updates_drafts)
@@ -321,6 +341,7 @@ def agree(
     """
     _check_agree("agree", config, ("begun", begun, Begun), batch, shape)
     _expect_io("agree", io)
+    _expect_steps("agree", steps)
     begun = attrs.evolve(begun, relay=steps.free(config.relay, begun.relay, freed).state)
     begun = yield from start_agreement_phase(
         config, begun, batch, shape, asynchronous=False, steps=steps
@@ -344,6 +365,7 @@ def start_agreement_phase(
     in flight (started by `start_next_agreement` during the step before): settle that one.
     """
     _check_agree("start_agreement_phase", config, ("begun", begun, Begun), batch, shape)
+    _expect_steps("start_agreement_phase", steps)
     lanes, agreeing = yield from _start(
         config,
         begun.lanes,
@@ -373,6 +395,7 @@ def start_next_agreement(
     agreement is already in flight.
     """
     _check_agree("start_next_agreement", config, ("agreed", agreed, Agreed), batch, shape)
+    _expect_steps("start_next_agreement", steps)
     lanes, agreeing = yield from _start(
         config,
         agreed.lanes,
@@ -424,6 +447,10 @@ def settle(
     reuse that decision. Raises InvalidInputError when no agreement of this step is in
     flight.
     """
+    _expect("settle", "config", config, RankConfig)
+    _expect("settle", "begun", begun, Begun)
+    _expect_io("settle", io)
+    _expect_steps("settle", steps)
     agreeing = begun.agreeing
     step = begun.relay.step
     if agreeing is None or agreeing.step != step:
@@ -497,6 +524,7 @@ def finish(
     _expect(call, "config", config, RankConfig)
     _expect(call, "agreed", agreed, Agreed)
     _expect_io(call, io)
+    _expect_steps(call, steps)
     if sampled is not None:
         _expect(call, "sampled", sampled, Sampled)
     relay_config = config.relay
@@ -606,11 +634,26 @@ def _check_counts(config: RelayConfig, batch: BatchFacts, io: StepIO[T]) -> None
 
 def perform_phase(phase: StepPhase[R], interpreter: Interpreter) -> R:
     """Perform every effect tuple `phase` yields on `interpreter`; return its answer."""
+    if type(phase) is not GeneratorType and not isinstance(phase, Generator):
+        raise InvalidInputError(
+            "perform_phase",
+            f"phase is a {type(phase).__name__}, not a generator",
+            "pass what a phase returns, e.g. perform_phase(begin(config, state), interpreter)",
+        )
     try:
         effects = next(phase)
         while True:
             if effects:
-                interpreter.perform(effects)
+                try:
+                    interpreter.perform(effects)
+                except AttributeError:  # the error path only: no cost per step
+                    if callable(getattr(interpreter, "perform", None)):
+                        raise
+                    raise InvalidInputError(
+                        "perform_phase",
+                        f"interpreter is a {type(interpreter).__name__}, which has no perform",
+                        "pass an Interpreter (e.g. a NumpyInterpreter or a TorchInterpreter)",
+                    ) from None
             effects = phase.send(None)
     except StopIteration as done:
         answer: R = done.value
@@ -643,6 +686,16 @@ class RankDriver(Generic[T]):
         io: StepIO[T],
         steps: RankSteps = REAL_STEPS,
     ) -> None:
+        # Checked here, so a wrong one fails at construction and not mid-step.
+        _expect("RankDriver", "config", config, RankConfig)
+        if not callable(getattr(interpreter, "perform", None)):
+            raise InvalidInputError(
+                "RankDriver",
+                f"interpreter is a {type(interpreter).__name__}, which has no perform method",
+                "pass an Interpreter (e.g. a NumpyInterpreter or a TorchInterpreter)",
+            )
+        _expect_io("RankDriver", io)
+        _expect_steps("RankDriver", steps)
         self.config = config
         self.interpreter = interpreter
         self.io = io

@@ -40,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from purepp import dp
+from purepp._checks import INT32_MAX, check_int
 from purepp.batch import BatchFacts, need_sampled_mask
 from purepp.cudagraph import BatchExecutionDescriptor, CaptureMode, CudaGraphDispatcher
 from purepp.effects.arrays import ARRAY_EQ, IntArray, arrays_equal, int32_array, readonly
@@ -151,16 +152,29 @@ def _pick(bound: int, *keys: int) -> int:
 
 def _check_schedule_config(instance: ScheduleConfig) -> None:
     call = "ScheduleConfig"
-    for name in ("pp", "dp", "steps", "max_num_reqs", "chunk_size", "max_request_steps"):
+    for name in (
+        "pp",
+        "dp",
+        "steps",
+        "max_num_reqs",
+        "chunk_size",
+        "max_prompt_len",
+        "max_request_steps",
+    ):
         value = getattr(instance, name)
-        if type(value) is not int or value < 1:
-            raise ConfigError(call, f"{name}={value!r}", f"pass an integer {name} >= 1")
-    if type(instance.spec) is not int or instance.spec < 0:
+        if type(value) is not int or not 1 <= value <= INT32_MAX:
+            raise ConfigError(
+                call, f"{name}={value!r}", f"pass an integer {name} in 1..{INT32_MAX}"
+            )
+    if type(instance.spec) is not int or not 0 <= instance.spec <= INT32_MAX:
         raise ConfigError(call, f"spec={instance.spec!r}", "pass 0 (no speculation) or more")
-    if type(instance.validate_header) is not bool:
-        raise ConfigError(
-            call, f"validate_header={instance.validate_header!r}", "pass True or False"
-        )
+    if type(instance.seed) is not int:  # any int: the hash reads it modulo 2**64
+        raise ConfigError(call, f"seed={instance.seed!r}", "pass an integer seed")
+    for name in ("validate_header", "microbatch"):
+        if type(getattr(instance, name)) is not bool:
+            raise ConfigError(call, f"{name}={getattr(instance, name)!r}", "pass True or False")
+    if not isinstance(instance.wire, Wire):
+        raise ConfigError(call, f"wire={instance.wire!r}", "pass a relay.Wire, e.g. Wire.SEED")
     if instance.max_prompt_len <= instance.chunk_size:
         raise ConfigError(
             call,
@@ -234,6 +248,9 @@ class Schedule:
         return self.config.world
 
     def at(self, step: int, replica: int) -> ReplicaStep:
+        config = self.config
+        step = check_int("Schedule.at", "step", step, 0, config.steps - 1)
+        replica = check_int("Schedule.at", "replica", replica, 0, config.dp - 1)
         return self.steps[step][replica]
 
     def agreement_group(self, replica: int) -> dp.AgreementGroup:
@@ -390,8 +407,25 @@ class _ReplicaPlanner:
         )
 
 
+def _expect(call: str, name: str, value: object, kind: type) -> None:
+    if not isinstance(value, kind):
+        raise InvalidInputError(
+            call, f"{name} is a {type(value).__name__}", f"pass a {kind.__name__}"
+        )
+
+
+def _expect_steps_for(call: str, steps_for: object) -> None:
+    if not callable(steps_for):
+        raise InvalidInputError(
+            call,
+            f"steps_for is a {type(steps_for).__name__}, not callable",
+            "pass a function of a rank that returns that rank's RankSteps",
+        )
+
+
 def make_schedule(config: ScheduleConfig) -> Schedule:
     """The schedule `config` describes: equal configs give equal schedules, anywhere."""
+    _expect("make_schedule", "config", config, ScheduleConfig)
     planners = [_ReplicaPlanner(config, replica) for replica in range(config.dp)]
     steps = tuple(tuple(planner.plan(step) for planner in planners) for step in range(config.steps))
     return Schedule(config=config, steps=steps)
@@ -507,6 +541,7 @@ class RecordingTensors:
 
 def reduced_agreement_table(schedule: Schedule, step: int) -> IntArray:
     """The reduced DP table of `step`: every replica's contribution, summed."""
+    _expect("reduced_agreement_table", "schedule", schedule, Schedule)
     dispatcher = schedule.dispatcher()
     columns = []
     for replica in range(schedule.config.dp):
@@ -536,6 +571,7 @@ RankEffects: TypeAlias = Generator[tuple[Effect, ...], None, RankOutputs]
 
 def rank_config(schedule: Schedule, rank: int) -> RankConfig:
     """Rank `rank`'s configuration of the rank step in the schedule's world."""
+    _expect("rank_config", "schedule", schedule, Schedule)
     return RankConfig(
         relay=schedule.relay_config(rank),
         group=schedule.agreement_group(schedule.world.dp_index(rank)),
@@ -610,6 +646,7 @@ def _read_consumed(
 
 
 def _check_rank(call: str, schedule: Schedule, rank: int) -> None:
+    _expect(call, "schedule", schedule, Schedule)
     size = schedule.world.world_size
     if type(rank) is not int or not 0 <= rank < size:
         raise InvalidInputError(
@@ -625,7 +662,18 @@ def scripted_rank_effects(
     The driver performs each tuple before resuming the generator, which may then read
     results through `io`. `steps` replaces the real pure steps (a broken variant in tests).
     """
-    _check_rank("scripted_rank_effects", schedule, rank)
+    call = "scripted_rank_effects"
+    _check_rank(call, schedule, rank)
+    if not all(callable(getattr(io, m, None)) for m in ("bind", "spec", "upload", "host_table")):
+        raise InvalidInputError(
+            call, f"io is a {type(io).__name__}", "pass a ScriptedIO (e.g. NumpyTensors)"
+        )
+    if not callable(getattr(io, "read", None)):
+        raise InvalidInputError(
+            call,
+            f"io is a {type(io).__name__}, which has no read method",
+            "pass a ScriptedIO (e.g. NumpyTensors): a StepIO that also reads results back",
+        )
     return _scripted_rank(schedule, rank, io, REAL_STEPS if steps is None else steps)
 
 
@@ -648,6 +696,8 @@ def scripted_program(
 
     `steps_for(rank)` picks the pure steps of each rank (a broken variant, in tests).
     """
+    _expect("scripted_program", "schedule", schedule, Schedule)
+    _expect_steps_for("scripted_program", steps_for)
 
     def program(context: RankContext) -> Iterator[tuple[Effect, ...]]:
         if context.world != schedule.world:
@@ -686,6 +736,8 @@ def simulate_schedule(
     overrun the ring, and `HeaderMismatchError` when a relay header check fails (see
     `purepp.effects.simulator.simulate`, also for `compare_steps`).
     """
+    _expect("simulate_schedule", "schedule", schedule, Schedule)
+    _expect_steps_for("simulate_schedule", steps_for)
     outputs: dict[int, RankOutputs] = {}
     result = simulate(
         schedule.world,
@@ -734,7 +786,12 @@ def run_scripted_rank(
 
     Every rank of `world` must run it, each in its own process with its communicators.
     """
+    from purepp.effects.torch_interpreter import TorchInterpreter  # torch only when used
+
     call = "run_scripted_rank"
+    _expect(call, "interpreter", interpreter, TorchInterpreter)
+    _expect(call, "world", world, Layout)
+    _expect(call, "schedule", schedule, Schedule)
     if world != schedule.world:
         raise ConfigError(
             call,
@@ -766,6 +823,8 @@ def record_scripted_logs(
     schedule: Schedule, *, steps_for: Callable[[int], RankSteps] = _real_steps
 ) -> tuple[EffectLog, ...]:
     """Every rank's effect log, recorded rank by rank without performing anything."""
+    _expect("record_scripted_logs", "schedule", schedule, Schedule)
+    _expect_steps_for("record_scripted_logs", steps_for)
     return tuple(
         record_scripted_rank(schedule, rank, steps_for(rank))
         for rank in range(schedule.world.world_size)
@@ -800,6 +859,14 @@ def assert_effect_sequence(actual: Sequence[Effect], expected: Sequence[Expected
     or a predicate. On a mismatch the AssertionError prints the whole actual sequence,
     marks where it went wrong, and names the next expected effect.
     """
+    given: tuple[tuple[str, object], ...] = (("actual", actual), ("expected", expected))
+    for name, value in given:
+        if not isinstance(value, Sequence) or isinstance(value, str | bytes):
+            raise InvalidInputError(
+                "assert_effect_sequence",
+                f"{name} is a {type(value).__name__}",
+                "pass a sequence (e.g. a tuple) of effects",
+            )
     for index in range(max(len(actual), len(expected))):
         got = actual[index] if index < len(actual) else None
         want = expected[index] if index < len(expected) else None

@@ -37,7 +37,7 @@ from purepp.effects.vocabulary import (
     Unpack,
     WorkRef,
 )
-from purepp.errors import InterpreterError
+from purepp.errors import InterpreterError, InvalidInputError
 
 __all__ = ["Call", "Environment", "Shape", "itemsize", "shown"]
 
@@ -104,18 +104,28 @@ class Environment(Generic[B, E, W]):
 
     # ---- buffers -----------------------------------------------------------------------
 
+    def check_ref(self, call: Call, ref: object, kind: type[BufferRef | EventRef]) -> None:
+        """Refuse a caller's name that is not a `kind` (a plain str, None, an int)."""
+        if not isinstance(ref, kind):
+            raise InvalidInputError(
+                self.describe(call),
+                f"the name {ref!r} is a {type(ref).__name__}, not a {kind.__name__}",
+                f"pass a {kind.__name__}, e.g. one of the relay config's inputs",
+            )
+
     def lookup(self, call: Call, ref: BufferRef) -> B:
         """The buffer bound to `ref`; an error if unbound or still being all-reduced."""
-        if self.pending_results and ref in self.pending_results:
-            self.fail(
-                call,
-                f"buffer {ref.name!r} is the result of all-reduce "
-                f"{self.pending_results[ref].name!r}, which has not been waited on",
-                "perform its WaitWork before reading or releasing the table",
-            )
         try:
+            if self.pending_results and ref in self.pending_results:
+                self.fail(
+                    call,
+                    f"buffer {ref.name!r} is the result of all-reduce "
+                    f"{self.pending_results[ref].name!r}, which has not been waited on",
+                    "perform its WaitWork before reading or releasing the table",
+                )
             return self.buffers[ref]
-        except KeyError:
+        except (KeyError, TypeError):  # the error path only: no cost on a found name
+            self.check_ref(call, ref, BufferRef)
             self.fail(
                 call,
                 f"buffer {ref.name!r} is not bound; bound: {shown(b.name for b in self.buffers)}",
@@ -133,6 +143,7 @@ class Environment(Generic[B, E, W]):
 
     def check_rebindable(self, call: Call, ref: BufferRef) -> None:
         """The caller's `bind` may replace a binding, except a table being all-reduced."""
+        self.check_ref(call, ref, BufferRef)
         if ref in self.pending_results:
             self.fail(
                 call,
@@ -214,6 +225,7 @@ class Environment(Generic[B, E, W]):
 
     def recorded_event(self, call: Call, ref: EventRef) -> E:
         """The event recorded under `ref`, without consuming it."""
+        self.check_ref(call, ref, EventRef)
         event = self.events.get(ref)
         if event is None:
             self.fail(

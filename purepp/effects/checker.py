@@ -29,8 +29,9 @@ from typing import Final, TextIO
 
 import attrs
 
+from purepp._checks import check_int
 from purepp.effects._converter import EFFECT_KINDS
-from purepp.effects.logfile import LogStream, check_same_run, log_paths
+from purepp.effects.logfile import LogStream, as_path, check_same_run, log_paths
 from purepp.effects.logmodel import LogHeader
 from purepp.effects.matching import (
     AwaitedCollective,
@@ -109,8 +110,12 @@ def check_logs(
     `max_steps_in_flight` (default: the world's pp, as `simulate`) bounds how far a
     rank is replayed ahead of its pipeline's slowest stage, and so the memory held.
     """
+    # Not a path at all is the caller's bug, raised; a path to no usable logs is a report.
+    folder = as_path("check_logs", "directory", directory)
     try:
-        return _Check(Path(directory), max_steps_in_flight).run()
+        if max_steps_in_flight is not None:
+            check_int("check_logs", "max_steps_in_flight", max_steps_in_flight, 1, config=True)
+        return _Check(folder, max_steps_in_flight).run()
     except (LogFormatError, ConfigError) as error:
         return CheckReport(ok=False, exit_code=EXIT_UNUSABLE, text=f"{_CALL}: {error}")
 

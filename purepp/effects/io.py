@@ -10,7 +10,7 @@ import numpy.typing as npt
 from purepp.effects.arrays import IntArray
 from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.vocabulary import BufferRef, DType, TensorSpec
-from purepp.errors import InterpreterError
+from purepp.errors import InterpreterError, InvalidInputError
 
 if TYPE_CHECKING:
     import torch
@@ -31,10 +31,28 @@ def _spec(call: str, ref: BufferRef, shape: tuple[int, ...], dtype: str) -> Tens
     return TensorSpec(shape=shape, dtype=kind)
 
 
+def _expect_interpreter(call: str, interpreter: object, kind: type) -> None:
+    if not isinstance(interpreter, kind):
+        raise InvalidInputError(
+            call, f"interpreter is a {type(interpreter).__name__}", f"pass a {kind.__name__}"
+        )
+
+
+def _host_int32(call: str, values: object) -> npt.NDArray[Any]:
+    """`values` when it is a host int32 array (a slot mapping); a typed error otherwise."""
+    if not isinstance(values, np.ndarray) or values.dtype != np.int32:
+        shown = values.dtype if isinstance(values, np.ndarray) else type(values).__name__
+        raise InvalidInputError(
+            call, f"values is a {shown}, not an int32 array", "upload a numpy int32 array"
+        )
+    return values
+
+
 class NumpyIO:
     """Caller arrays bound in a `NumpyInterpreter` (the simulator's ranks, CPU tests)."""
 
     def __init__(self, interpreter: NumpyInterpreter) -> None:
+        _expect_interpreter("NumpyIO", interpreter, NumpyInterpreter)
         self.interpreter = interpreter
 
     def bind(self, ref: BufferRef, value: npt.NDArray[Any], /) -> None:
@@ -45,7 +63,7 @@ class NumpyIO:
         return _spec("NumpyIO.spec", ref, tuple(array.shape), str(array.dtype))
 
     def upload(self, values: IntArray, /) -> npt.NDArray[Any]:
-        return np.array(values, copy=True)
+        return np.array(_host_int32("NumpyIO.upload", values), copy=True)
 
     def host_table(self, ref: BufferRef, /) -> IntArray:
         table: IntArray = self.interpreter.host_array(ref)
@@ -56,6 +74,9 @@ class TorchIO:
     """Caller tensors bound in a `TorchInterpreter` (CUDA or CPU)."""
 
     def __init__(self, interpreter: TorchInterpreter) -> None:
+        from purepp.effects.torch_interpreter import TorchInterpreter  # torch only when used
+
+        _expect_interpreter("TorchIO", interpreter, TorchInterpreter)
         self.interpreter = interpreter
 
     def bind(self, ref: BufferRef, value: torch.Tensor, /) -> None:
@@ -70,7 +91,7 @@ class TorchIO:
     def upload(self, values: IntArray, /) -> torch.Tensor:
         import torch
 
-        host = torch.from_numpy(np.array(values, copy=True))
+        host = torch.from_numpy(np.array(_host_int32("TorchIO.upload", values), copy=True))
         device = self.interpreter.device
         if device.type == "cpu":
             return host

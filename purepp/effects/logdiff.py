@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from purepp._checks import check_int
 from purepp.effects._converter import CONVERTER
 from purepp.effects.logfile import header_json, record_json
 from purepp.effects.logmodel import EffectLog, LogRecord
+from purepp.errors import InvalidInputError
 
 __all__ = ["assert_logs_equal", "diff_logs"]
 
@@ -56,6 +58,12 @@ def diff_logs(expected: EffectLog, actual: EffectLog, *, context: int = 3) -> st
     It shows a differing header, and the first differing record (rendered as its log
     line) with the `context` records before it and the fields that differ.
     """
+    for name, log in (("expected", expected), ("actual", actual)):
+        if not isinstance(log, EffectLog):
+            raise InvalidInputError(
+                "diff_logs", f"{name} is a {type(log).__name__}", "pass two EffectLogs"
+            )
+    context = check_int("diff_logs", "context", context, 0)
     if expected == actual:
         return None
     text: list[str] = []

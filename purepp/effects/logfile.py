@@ -31,6 +31,7 @@ from typing import Any, BinaryIO, Final
 import attrs
 import cattrs
 
+from purepp._checks import check_int
 from purepp.effects._converter import (
     CONVERTER,
     EFFECT_CLASSES,
@@ -56,6 +57,7 @@ from purepp.layout import Layout
 
 __all__ = [
     "LogStream",
+    "as_path",
     "check_same_run",
     "dump_log",
     "dump_logs",
@@ -81,8 +83,36 @@ def _dumps(value: object) -> str:
     return json.dumps(value, ensure_ascii=True, allow_nan=False)
 
 
+def as_path(call: str, name: str, value: object) -> Path:
+    """A caller's path argument as a Path; InvalidInputError for None, an int, bytes."""
+    if not isinstance(value, str | os.PathLike):
+        raise InvalidInputError(
+            call,
+            f"{name}={value!r} is a {type(value).__name__}, not a path",
+            f"pass {name} as a str or a pathlib.Path",
+        )
+    return Path(value)
+
+
+def check_world(call: str, expect_world: object) -> None:
+    if expect_world is not None and not isinstance(expect_world, Layout):
+        raise InvalidInputError(
+            call,
+            f"expect_world is a {type(expect_world).__name__}",
+            "pass the run's Layout(pp=..., dp=...), or None to accept any",
+        )
+
+
+def _expect(call: str, name: str, value: object, kind: type) -> None:
+    if not isinstance(value, kind):
+        raise InvalidInputError(
+            call, f"{name} is a {type(value).__name__}", f"pass a {kind.__name__}"
+        )
+
+
 def header_json(header: LogHeader) -> str:
     """The header's line as written in a log file (without the newline)."""
+    _expect("header_json", "header", header, LogHeader)
     fields = CONVERTER.unstructure(header, LogHeader)
     for key in _OPTIONAL_HEADER_KEYS:
         if fields[key] is None:
@@ -92,6 +122,7 @@ def header_json(header: LogHeader) -> str:
 
 def record_json(record: LogRecord) -> str:
     """A record's line as written in a log file (without the newline)."""
+    _expect("record_json", "record", record, LogRecord)
     return _dumps(CONVERTER.unstructure(record, LogRecord))
 
 
@@ -115,11 +146,19 @@ def _log_text(log: EffectLog) -> str:
     return header_json(log.header) + "\n" + "".join(record_lines("dump_log", log.records, 0))
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def _write_atomically(call: str, path: Path, text: str) -> None:
     # Rename over the target, so a crash mid-write never leaves a half log behind.
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(text, encoding="ascii")
-    os.replace(partial, path)
+    try:
+        partial.write_text(text, encoding="ascii")
+        os.replace(partial, path)
+    except OSError as error:
+        partial.unlink(missing_ok=True)  # a failed write leaves no file behind
+        raise InvalidInputError(
+            call,
+            f"{str(path)!r} cannot be written ({error.strerror})",
+            "pass a file path in an existing folder this process may write to",
+        ) from error
 
 
 def dump_log(log: EffectLog, path: str | os.PathLike[str]) -> None:
@@ -128,28 +167,42 @@ def dump_log(log: EffectLog, path: str | os.PathLike[str]) -> None:
         raise InvalidInputError(
             "dump_log", f"log is a {type(log).__name__}", "pass an EffectLog (e.g. recorder.log)"
         )
-    _write_atomically(Path(path), _log_text(log))
+    _write_atomically("dump_log", as_path("dump_log", "path", path), _log_text(log))
 
 
 def log_file_name(rank: int) -> str:
     """The file name `dump_logs` gives rank `rank`'s log, e.g. "rank-0003.jsonl"."""
-    return f"rank-{rank:04d}.jsonl"
+    return f"rank-{check_int('log_file_name', 'rank', rank, 0):04d}.jsonl"
 
 
 def dump_logs(logs: Iterable[EffectLog], directory: str | os.PathLike[str]) -> tuple[Path, ...]:
     """Write each rank's log into `directory` (created if missing) as `log_file_name(rank)`."""
+    call = "dump_logs"
+    if not isinstance(logs, Iterable) or isinstance(logs, str | bytes | EffectLog):
+        raise InvalidInputError(
+            call, f"logs is a {type(logs).__name__}", "pass a sequence of EffectLogs, one per rank"
+        )
     logs = tuple(logs)
+    for index, log in enumerate(logs):
+        _expect(call, f"logs[{index}]", log, EffectLog)
+    folder = as_path(call, "directory", directory)
     ranks = [log.header.rank for log in logs]
     duplicates = sorted({rank for rank in ranks if ranks.count(rank) > 1})
     if duplicates:
         raise InvalidInputError(
             "dump_logs", f"ranks {duplicates} appear more than once", "pass one log per rank"
         )
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = tuple(directory / log_file_name(rank) for rank in ranks)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise InvalidInputError(
+            call,
+            f"directory {str(folder)!r} cannot be made ({error.strerror})",
+            "pass a folder path (existing or not) under a folder this process may write to",
+        ) from error
+    paths = tuple(folder / log_file_name(rank) for rank in ranks)
     for log, path in zip(logs, paths, strict=True):
-        dump_log(log, path)
+        _write_atomically(call, path, _log_text(log))
     return paths
 
 
@@ -382,7 +435,8 @@ class LogStream:
         expect_world: Layout | None = None,
         allow_cut_end: bool = False,
     ) -> None:
-        self.path = Path(path)
+        self.path = as_path("load_log", "path", path)
+        check_world("load_log", expect_world)
         self._allow_cut_end = allow_cut_end
         self.cut_line: int | None = None  # line number of a cut last line, once reached
         self.lines_read = 0  # lines consumed so far, the header included
@@ -682,7 +736,7 @@ def _dir_fail(directory: Path, problem: str, fix: str) -> LogFormatError:
 
 def log_paths(directory: str | os.PathLike[str]) -> tuple[Path, ...]:
     """The `*.jsonl` logs in `directory`, sorted; LogFormatError when there are none."""
-    directory = Path(directory)
+    directory = as_path("load_logs", "directory", directory)
     if not directory.is_dir():
         raise _dir_fail(
             directory, "is not a directory", "pass the directory the ranks' logs were written to"
@@ -764,7 +818,8 @@ def load_logs(
     log is bad, when the logs are not one run's (world, run id, config), or when a
     rank is missing or appears twice.
     """
-    directory = Path(directory)
+    directory = as_path("load_logs", "directory", directory)
+    check_world("load_logs", expect_world)
     logs = [(path, load_log(path, expect_world=expect_world)) for path in log_paths(directory)]
     check_same_run(directory, [(path, log.header) for path, log in logs])
     return tuple(log for _, log in sorted(logs, key=lambda item: item[1].header.rank))

@@ -88,6 +88,12 @@ class LogHeader:
     config_digest: str | None = attrs.field(default=None, validator=_optional_text)
 
     def __attrs_post_init__(self) -> None:
+        if not isinstance(self.world, Layout):
+            raise ConfigError(
+                "LogHeader",
+                f"world is a {type(self.world).__name__}",
+                "pass the run's Layout(pp=..., dp=...)",
+            )
         if type(self.rank) is not int or not 0 <= self.rank < self.world.world_size:
             raise ConfigError(
                 "LogHeader",
@@ -214,20 +220,37 @@ def _check_records(
 
 
 def _to_records(records: Iterable[LogRecord]) -> tuple[LogRecord, ...]:
+    if not isinstance(records, Iterable):
+        raise InvalidInputError(
+            "EffectLog", f"records is a {type(records).__name__}", "pass a tuple of LogRecords"
+        )
     return tuple(records)
+
+
+def _check_header(instance: object, attribute: attrs.Attribute[LogHeader], value: object) -> None:
+    if not isinstance(value, LogHeader):
+        raise InvalidInputError(
+            "EffectLog", f"header is a {type(value).__name__}", "pass the rank's LogHeader"
+        )
 
 
 @attrs.frozen
 class EffectLog:
     """One rank's header and effects, numbered in issue order (checked on construction)."""
 
-    header: LogHeader  # who wrote it, in which world
+    header: LogHeader = attrs.field(validator=_check_header)  # who wrote it, in which world
     records: tuple[LogRecord, ...] = attrs.field(converter=_to_records, validator=_check_records)
 
     @classmethod
     def from_effects(cls, header: LogHeader, effects: Iterable[Effect]) -> EffectLog:
         """The log of performing `effects` in order (what a Recorder would record)."""
         numbering = Numbering()
+        if not isinstance(effects, Iterable):
+            raise InvalidInputError(
+                "EffectLog.from_effects",
+                f"effects is a {type(effects).__name__}",
+                "pass a tuple of effects from purepp.effects.vocabulary",
+            )
         return cls(header, tuple(numbering.number(effect) for effect in effects))
 
     @property

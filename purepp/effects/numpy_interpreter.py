@@ -50,6 +50,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from purepp._checks import INT32_MAX, check_int
 from purepp.effects._environment import Environment, itemsize
 from purepp.effects.vocabulary import (
     Alias,
@@ -81,7 +82,7 @@ from purepp.effects.vocabulary import (
     WaitWork,
     WorkRef,
 )
-from purepp.errors import HeaderMismatchError, InterpreterError, InvalidInputError
+from purepp.errors import ConfigError, HeaderMismatchError, InterpreterError, InvalidInputError
 
 __all__ = [
     "POISON",
@@ -98,6 +99,9 @@ __all__ = [
 # Fill of fresh buffers and of memory reused too early: negative, so never a token id,
 # and not -1, which index buffers use for "skip this row".
 POISON: Final = -0x0BADF00D
+
+_BIND_FIX = "bind int64 or int32 arrays"
+_EFFECTS_FIX = "pass a tuple of effects from purepp.effects.vocabulary (what a pure step returns)"
 
 Array: TypeAlias = npt.NDArray[Any]
 
@@ -326,6 +330,18 @@ class NumpyInterpreter:
     ) -> None:
         """`rank`: this rank's global rank. `port`: where collectives go (default: a
         world of this rank alone). `fill`: the contents of fresh buffers."""
+        call = "NumpyInterpreter"
+        rank = check_int(call, "rank", rank, 0, config=True)
+        # int32 buffers are filled too: a fill past int32 would fail at the first Allocate.
+        fill = check_int(call, "fill", fill, -INT32_MAX - 1, config=True)
+        if port is not None and not all(
+            callable(getattr(port, m, None)) for m in ("post", "reach_head")
+        ):
+            raise ConfigError(
+                call,
+                f"port is a {type(port).__name__}, not a CollectivePort",
+                "leave port out (a world of this rank alone), or pass the simulator's port",
+            )
         self._rank = rank
         self._port: CollectivePort = _SoloPort(rank) if port is None else port
         self._fill = fill
@@ -349,13 +365,18 @@ class NumpyInterpreter:
         """
         call = "NumpyInterpreter.bind"
         self._env.check_rebindable(call, ref)
-        value = np.asarray(array)
+        try:
+            value = np.asarray(array)
+        except (ValueError, TypeError) as error:  # a ragged list, an object numpy refuses
+            raise InvalidInputError(
+                call, f"{ref.name!r} got a value numpy cannot read as an array ({error})", _BIND_FIX
+            ) from None
         allowed = {numpy_dtype(d) for d in DType}
         if value.dtype not in allowed:
             raise InvalidInputError(
                 call,
                 f"array for {ref.name!r} has dtype {value.dtype}",
-                "bind int64 or int32 arrays",
+                _BIND_FIX,
             )
         if not (value.flags.writeable and value.flags.c_contiguous):
             value = np.array(value, copy=True, order="C")
@@ -394,6 +415,10 @@ class NumpyInterpreter:
 
     def perform(self, effects: Iterable[Effect], /) -> None:
         """Perform `effects` in order; raise if the host would block (a peer is needed)."""
+        if not isinstance(effects, Iterable):
+            raise InvalidInputError(
+                "NumpyInterpreter.perform", f"effects is a {type(effects).__name__}", _EFFECTS_FIX
+            )
         for effect in effects:
             self.issue(effect)
             if self.host_blocked():
@@ -503,8 +528,12 @@ class NumpyInterpreter:
                 self._pack(effect)
             case Unpack():
                 self._unpack(effect)
-            case _:
-                typing.assert_never(effect)
+            case _:  # a caller's garbage: refused before it changes anything
+                raise InvalidInputError(
+                    "NumpyInterpreter.perform",
+                    f"{effect!r} is a {type(effect).__name__}, not an effect",
+                    _EFFECTS_FIX,
+                )
 
     # ---- environment helpers -------------------------------------------------------------
 

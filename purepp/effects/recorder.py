@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from collections.abc import Iterable
 
 from purepp.effects._converter import EFFECT_CLASSES
 from purepp.effects.interpreter import Interpreter
-from purepp.effects.logfile import header_json, record_lines
+from purepp.effects.logfile import as_path, header_json, record_lines
 from purepp.effects.logmodel import EffectLog, LogHeader, LogRecord, Numbering
 from purepp.effects.vocabulary import Effect
 from purepp.errors import InvalidInputError
 
 __all__ = ["Recorder"]
+
+_EFFECTS_FIX = "pass a tuple of effects from purepp.effects.vocabulary"
 
 
 class Recorder:
@@ -38,9 +40,15 @@ class Recorder:
             raise InvalidInputError(
                 "Recorder", f"header is a {type(header).__name__}", "pass a LogHeader"
             )
+        if inner is not None and not callable(getattr(inner, "perform", None)):
+            raise InvalidInputError(
+                "Recorder",
+                f"inner is a {type(inner).__name__}, which has no perform method",
+                "pass an Interpreter to forward the effects to, or None to only record",
+            )
         self._header = header
         self._inner = inner
-        self._path = None if path is None else Path(path)
+        self._path = None if path is None else as_path("Recorder", "path", path)
         self._numbering = Numbering()
         self._records: list[LogRecord] = []
         if self._path is not None:
@@ -64,12 +72,19 @@ class Recorder:
 
     def perform(self, effects: tuple[Effect, ...], /) -> None:
         """Record `effects` in order, then have the inner interpreter perform them."""
+        given: object = effects  # the annotation is a promise callers may break
+        if type(given) is not tuple:
+            if not isinstance(given, Iterable) or isinstance(given, str | bytes):
+                raise InvalidInputError(
+                    "Recorder.perform", f"effects is a {type(given).__name__}", _EFFECTS_FIX
+                )
+            effects = tuple(given)  # read twice below: a generator would record nothing
         for index, effect in enumerate(effects):
             if not isinstance(effect, EFFECT_CLASSES):
                 raise InvalidInputError(
                     "Recorder.perform",
                     f"effects[{index}] is {effect!r}, not an effect",
-                    "pass a tuple of effects from purepp.effects.vocabulary",
+                    _EFFECTS_FIX,
                 )
         # Numbered on a copy first, so a failure leaves the recorder as it was.
         numbering = self._numbering.copy()
@@ -81,4 +96,4 @@ class Recorder:
         self._numbering = numbering
         self._records.extend(new_records)
         if self._inner is not None:
-            self._inner.perform(tuple(effects))
+            self._inner.perform(effects)

@@ -21,5 +21,11 @@ def replay(log: EffectLog, interpreter: Interpreter) -> None:
         raise InvalidInputError(
             "replay", f"log is a {type(log).__name__}", "pass an EffectLog (e.g. from load_log)"
         )
+    if not callable(getattr(interpreter, "perform", None)):
+        raise InvalidInputError(
+            "replay",
+            f"interpreter is a {type(interpreter).__name__}, which has no perform method",
+            "pass an Interpreter (e.g. a NumpyInterpreter, a TorchInterpreter or a Recorder)",
+        )
     for _, records in itertools.groupby(log.records, key=lambda record: record.effect.step):
         interpreter.perform(tuple(record.effect for record in records))

@@ -44,6 +44,7 @@ from typing import TypeAlias
 
 import attrs
 
+from purepp._checks import INT32_MAX, check_bool, check_int
 from purepp.effects.matching import (
     CollectiveReportError,
     DeadlockReport,
@@ -156,7 +157,16 @@ class _Simulation:
                 world=world,
                 interpreter=interpreter,
             )
-            self._ranks.append(_Rank(context, iter(program(context))))
+            made = program(context)
+            try:
+                steps = iter(made)
+            except TypeError:
+                raise InvalidInputError(
+                    _CALL,
+                    f"the program returned a {type(made).__name__} for rank {rank}",
+                    "return an iterator of effect tuples (write the program as a generator)",
+                ) from None
+            self._ranks.append(_Rank(context, steps))
 
     def run(self) -> SimulationResult:
         while not self._done():
@@ -360,11 +370,24 @@ def simulate(
     `MismatchReport`, `RingOverrunReport` or `DeadlockReport`, or
     `HeaderMismatchError` when a relay header check fails.
     """
+    if not isinstance(world, Layout):
+        raise ConfigError(
+            _CALL, f"world is a {type(world).__name__}", "pass a Layout(pp=..., dp=...)"
+        )
+    if not callable(program):
+        raise InvalidInputError(
+            _CALL,
+            f"program is a {type(program).__name__}, not callable",
+            "pass a function of a RankContext that returns the rank's effect tuples",
+        )
     in_flight = world.pp if max_steps_in_flight is None else max_steps_in_flight
-    if in_flight < 1:
+    if type(in_flight) is int and in_flight < 1:
         raise ConfigError(
             _CALL, f"max_steps_in_flight={in_flight}", "allow at least one step in flight"
         )
+    in_flight = check_int(_CALL, "max_steps_in_flight", in_flight, 1, config=True)
+    fill = check_int(_CALL, "fill", fill, -INT32_MAX - 1, config=True)
+    compare_steps = check_bool(_CALL, "compare_steps", compare_steps, config=True)
     return _Simulation(
         world, program, max_steps_in_flight=in_flight, fill=fill, compare_steps=compare_steps
     ).run()

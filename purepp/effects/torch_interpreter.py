@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from purepp._checks import check_bool, check_int
 from purepp.effects._environment import Call, Environment, itemsize
 from purepp.effects.vocabulary import (
     Alias,
@@ -88,7 +89,13 @@ from purepp.effects.vocabulary import (
     WaitWork,
     WorkRef,
 )
-from purepp.errors import ConfigError, HeaderMismatchError, InterpreterError, PeerFailureError
+from purepp.errors import (
+    ConfigError,
+    HeaderMismatchError,
+    InterpreterError,
+    InvalidInputError,
+    PeerFailureError,
+)
 
 if TYPE_CHECKING:
     from purepp.effects.plan import Planner
@@ -412,6 +419,30 @@ class TorchInterpreter:
         On CUDA, the main stream is the current stream now; the relay gets a new side stream.
         """
         call = "TorchInterpreter"
+        if not isinstance(device, torch.device):
+            raise ConfigError(
+                call,
+                f"device={device!r} is a {type(device).__name__}",
+                'pass a torch.device, e.g. torch.device("cpu") or torch.device("cuda", 0)',
+            )
+        rank = check_int(call, "rank", rank, 0, config=True)
+        checked = check_bool(call, "checked", checked, config=True)
+        plans = check_bool(call, "plans", plans, config=True)
+        capture = check_bool(call, "capture", capture, config=True)
+        capture_copies = check_int(call, "capture_copies", capture_copies, 1, config=True)
+        if not isinstance(groups, Mapping):
+            raise ConfigError(
+                call,
+                f"groups is a {type(groups).__name__}",
+                "pass a dict of Communicator to ProcessGroup (build_communicators returns it)",
+            )
+        for comm, group in groups.items():
+            if not isinstance(comm, Communicator) or not isinstance(group, dist.ProcessGroup):
+                raise ConfigError(
+                    call,
+                    f"groups maps {comm!r} to a {type(group).__name__}",
+                    "map each Communicator to its ProcessGroup (build_communicators returns them)",
+                )
         if device.type not in ("cpu", "cuda"):
             raise ConfigError(call, f"device {device}", "use a cpu or cuda device")
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -530,6 +561,12 @@ class TorchInterpreter:
     def bind(self, ref: BufferRef, tensor: torch.Tensor) -> None:
         """Bind the caller's `tensor` to `ref`, replacing any earlier binding of that name."""
         self.env.check_rebindable("TorchInterpreter.bind", ref)
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidInputError(
+                "TorchInterpreter.bind",
+                f"{ref.name!r} got a {type(tensor).__name__}, not a torch.Tensor",
+                "bind torch tensors (torch.from_numpy(array) for a numpy array)",
+            )
         self.env.buffers[ref] = tensor
 
     def tensor(self, ref: BufferRef) -> torch.Tensor:
@@ -564,33 +601,43 @@ class TorchInterpreter:
 
         With plans on, a batch (a tuple) whose structure was seen before runs its plan.
         """
-        if (
-            self._planner is not None
-            and isinstance(effects, tuple)
-            and self._planner.perform(effects)
-        ):
-            return
+        try:
+            if (
+                self._planner is not None
+                and isinstance(effects, tuple)
+                and self._planner.perform(effects)
+            ):
+                return
+        except (KeyError, TypeError):  # the error path only: no cost per batch
+            _refuse_non_effects("TorchInterpreter.perform", effects)
+            raise
         self.perform_eager(effects)
 
     def perform_eager(self, effects: Iterable[Effect], /) -> None:
         """Perform `effects` one by one (what a plan falls back to)."""
         handlers = self._handlers
         checked = self._checked
-        if self._streams is None:
-            for effect in effects:
-                if checked:
-                    self._validate(effect)
-                handlers[type(effect)](effect)
-            return
-        # CUDA: kernels switch the current stream only when theirs differs (one switch per
-        # run of effects on one stream); the caller's current stream comes back at the end.
+        if checked:  # the opt-in slow mode: a stranger anywhere in the batch stops all of it
+            _refuse_non_effects("TorchInterpreter.perform", effects)
         try:
-            for effect in effects:
-                if checked:
-                    self._validate(effect)
-                handlers[type(effect)](effect)
-        finally:
-            self.restore_stream()
+            if self._streams is None:
+                for effect in effects:
+                    if checked:
+                        self._validate(effect)
+                    handlers[type(effect)](effect)
+                return
+            # CUDA: kernels switch the current stream only when theirs differs (one switch
+            # per run of effects on one stream); the caller's stream comes back at the end.
+            try:
+                for effect in effects:
+                    if checked:
+                        self._validate(effect)
+                    handlers[type(effect)](effect)
+            finally:
+                self.restore_stream()
+        except (KeyError, TypeError):  # the error path only: no cost per effect
+            _refuse_non_effects("TorchInterpreter.perform_eager", effects)
+            raise
 
     def handler(self, effect: Effect) -> Callable[[Any], None]:
         """The fast handler of `effect`'s kind (plans call it without validation)."""
@@ -694,8 +741,12 @@ class TorchInterpreter:
                 | Synchronize()
             ):
                 pass  # nothing past the names, which every mode checks
-            case _:
-                typing.assert_never(effect)
+            case _:  # a caller's garbage, refused before any handler runs
+                raise InvalidInputError(
+                    "TorchInterpreter.perform",
+                    f"{effect!r} is a {type(effect).__name__}, not an effect",
+                    _EFFECTS_FIX,
+                )
 
     def _check_index(self, effect: Effect, ref: BufferRef) -> torch.Tensor:
         index = self.env.lookup(effect, ref)
@@ -961,6 +1012,29 @@ class TorchInterpreter:
         views = section_views(source, effect.sections)
         for section, view in zip(effect.sections, views, strict=True):
             env.buffers[section.buffer] = view
+
+
+def _refuse_non_effects(call: str, effects: object) -> None:
+    """Raise InvalidInputError when `effects` is not an iterable of effects.
+
+    Fast mode calls it only once a perform failed, so the hot path pays nothing; a
+    one-shot iterator was consumed by then and cannot be checked (the original error
+    stands), and the effects before a stranger were performed. Checked mode and plans
+    check a whole tuple before performing any of it.
+    """
+    if not isinstance(effects, Iterable):
+        raise InvalidInputError(call, f"effects is a {type(effects).__name__}", _EFFECTS_FIX)
+    if isinstance(effects, tuple | list):
+        for index, item in enumerate(effects):
+            if not isinstance(item, Effect):
+                raise InvalidInputError(
+                    call,
+                    f"effects[{index}] is {item!r}, a {type(item).__name__}, not an effect",
+                    _EFFECTS_FIX,
+                )
+
+
+_EFFECTS_FIX = "pass a tuple of effects from purepp.effects.vocabulary (what a pure step returns)"
 
 
 def scatter_rows(
