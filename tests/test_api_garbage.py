@@ -401,6 +401,11 @@ CASES: dict[str, Case] = {
         InvalidInputError,
         "effects[0] is None, a NoneType, not an effect",
     ),
+    "TorchInterpreter.perform a str": (
+        lambda: torch_interpreter().perform("ab"),  # type: ignore[arg-type]
+        InvalidInputError,
+        "effects[0] is 'a', a str, not an effect",
+    ),
     "TorchInterpreter.perform checked": (
         lambda: torch_interpreter(checked=True).perform((3,)),  # type: ignore[arg-type]
         InvalidInputError,

@@ -47,7 +47,7 @@ from __future__ import annotations
 import datetime
 import math
 import typing
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import attrs
@@ -1024,7 +1024,7 @@ def _refuse_non_effects(call: str, effects: object) -> None:
     """
     if not isinstance(effects, Iterable):
         raise InvalidInputError(call, f"effects is a {type(effects).__name__}", _EFFECTS_FIX)
-    if isinstance(effects, tuple | list):
+    if not isinstance(effects, Iterator):  # a collection, read again here
         for index, item in enumerate(effects):
             if not isinstance(item, Effect):
                 raise InvalidInputError(
