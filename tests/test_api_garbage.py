@@ -55,7 +55,7 @@ from purepp.effects.vocabulary import (
     Release,
     Stream,
 )
-from purepp.errors import ConfigError, InvalidInputError, PureppError
+from purepp.errors import ConfigError, InvalidInputError, LogFormatError, PureppError
 from purepp.layout import Layout
 from purepp.rank import (
     RankConfig,
@@ -834,6 +834,36 @@ def test_a_recorder_records_every_effect_of_a_generator_and_nothing_of_garbage()
     assert recorder.log.records == ()
     recorder.perform(e for e in effects)  # type: ignore[arg-type]  # read twice inside
     assert recorder.log.effects == effects
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        (-1, "nested too deeply"),  # a record past the JSON parser's recursion limit
+        (0, "nested too deeply"),  # the header
+        (-1, "a number too long to read"),  # past Python's int() digit limit
+        (-2, "a number too long to read"),  # the same, where the checker's fast path reads
+    ],
+)
+def test_a_corrupted_log_is_a_format_error_for_load_log_and_a_report_for_check(
+    tmp_path: Path, line: int, problem: str
+) -> None:
+    long = record_scripted_logs(make_schedule(ScheduleConfig(pp=2, dp=1, spec=1, steps=6, seed=0)))
+    dump_logs(long, tmp_path)
+    path = tmp_path / log_file_name(0)
+    lines = path.read_text().splitlines()
+    if problem == "nested too deeply":
+        lines[line] = lines[line].replace("{", "[" * 100_000 + "]" * 100_000 + ", {", 1)
+    else:
+        lines[line] = re.sub(r'"step": \d+', '"step": ' + "9" * 5000, lines[line], count=1)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(LogFormatError, match=re.escape(problem)):
+        load_log(path)
+    with pytest.raises(LogFormatError, match=re.escape(problem)):
+        load_logs(tmp_path)
+    report = check_logs(tmp_path)
+    assert report.exit_code == 2
+    assert problem in report.text
 
 
 def test_check_logs_reports_a_bad_max_steps_in_flight_as_an_unusable_run(tmp_path: Path) -> None:

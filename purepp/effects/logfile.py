@@ -228,9 +228,11 @@ def _no_constant(name: str) -> object:
 _STRUCTURE_ERRORS = (cattrs.BaseValidationError, PureppError, ValueError, TypeError, KeyError)
 
 # A record as the writer spells it, up to the effect's own fields, and those fields.
+# At most 18 digits a number: a longer one (past int64, or past Python's int() digit
+# limit) misses the fast path and is read in full, where it fails as a format error.
 _PREFIX = re.compile(
-    rb'\{"seq": (0|[1-9][0-9]*), "comm_seq": (null|0|[1-9][0-9]*), "effect": '
-    rb'\{"kind": "([a-z_]+)", "step": (0|[1-9][0-9]*), (.*)'
+    rb'\{"seq": (0|[1-9][0-9]{0,17}), "comm_seq": (null|0|[1-9][0-9]{0,17}), "effect": '
+    rb'\{"kind": "([a-z_]+)", "step": (0|[1-9][0-9]{0,17}), (.*)'
 )
 _DECODER = json.JSONDecoder()
 _BLOCK_BYTES = 1 << 18  # read a log this much at a time
@@ -657,6 +659,10 @@ class LogStream:
             raise self._fail(line, f"corrupted JSON at column {exc.colno} ({exc.msg})") from exc
         except _BadJSON as exc:
             raise self._fail(line, f"corrupted JSON ({exc})") from exc
+        except RecursionError as exc:  # json's C parser recurses per nesting level
+            raise self._fail(line, "corrupted JSON (nested too deeply)") from exc
+        except ValueError as exc:  # the one left: an integer past Python's digit limit
+            raise self._fail(line, "corrupted JSON (a number too long to read)") from exc
         if type(value) is not dict:
             raise self._fail(line, f"expected a JSON object, got {data[:60]!r}")
         return value
