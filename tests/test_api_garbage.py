@@ -32,6 +32,7 @@ from purepp.effects.log import (
     LogHeader,
     Recorder,
     assert_logs_equal,
+    config_digest,
     diff_logs,
     dump_log,
     dump_logs,
@@ -137,6 +138,15 @@ DISPATCHER = CudaGraphDispatcher(
     max_num_reqs=4,
     lora_capture_cases=(0, 2, 4),
 )
+
+CYCLIC: dict[str, object] = {}
+CYCLIC["self"] = CYCLIC
+CYCLIC_LIST: list[object] = []
+CYCLIC_LIST.append(CYCLIC_LIST)
+DEEP: dict[str, object] = {}
+_level = DEEP
+for _ in range(5000):
+    _level["a"] = _level = {}
 
 # (the bad call, the typed error it raises, a fragment of its message naming the value)
 Case = tuple[Callable[[], object], type[PureppError], str]
@@ -541,6 +551,61 @@ CASES: dict[str, Case] = {
         lambda: record_json(None),  # type: ignore[arg-type]
         InvalidInputError,
         "record_json: record is a NoneType",
+    ),
+    "load_log a NUL in the path": (
+        lambda: load_log("rank\x00.jsonl"),
+        LogFormatError,
+        "cannot be read (embedded null byte)",
+    ),
+    "load_logs a name too long": (
+        lambda: load_logs("x" * 5000),
+        LogFormatError,
+        "cannot be read (File name too long)",
+    ),
+    "dump_log a NUL in the path": (
+        lambda: dump_log(LOGS[0], "rank\x00.jsonl"),
+        InvalidInputError,
+        "cannot be written (embedded null byte)",
+    ),
+    "dump_log a name too long": (
+        lambda: dump_log(LOGS[0], "x" * 5000),
+        InvalidInputError,
+        "cannot be written (File name too long)",
+    ),
+    "dump_log an empty path": (
+        lambda: dump_log(LOGS[0], ""),
+        InvalidInputError,
+        "dump_log: '.' is a folder, not a file path",
+    ),
+    "dump_logs a NUL in the path": (
+        lambda: dump_logs(LOGS, "logs\x00"),
+        InvalidInputError,
+        "cannot be made (embedded null byte)",
+    ),
+    "Recorder a NUL in the path": (
+        lambda: Recorder(HEADER, path="rank\x00.jsonl"),
+        InvalidInputError,
+        "cannot be written (embedded null byte)",
+    ),
+    "LogHeader a config holding itself": (
+        lambda: LogHeader(rank=0, world=Layout(1, 1), config=CYCLIC),
+        InvalidInputError,
+        "LogHeader: config is nested too deeply, or holds itself",
+    ),
+    "config_digest a config nested too deeply": (
+        lambda: config_digest(DEEP),
+        InvalidInputError,
+        "config_digest: config is nested too deeply",
+    ),
+    "LogHeader an integer too long to write": (
+        lambda: LogHeader(rank=0, world=Layout(1, 1), config={"seed": 10**5000}),
+        InvalidInputError,
+        "config.seed holds an integer of 16610 bits",
+    ),
+    "NumpyInterpreter.resolve a list holding itself": (
+        lambda: NumpyInterpreter().resolve(CYCLIC_LIST),
+        InvalidInputError,
+        "NumpyInterpreter.resolve: the list is nested too deeply, or holds itself",
     ),
     "check_logs None": (
         lambda: check_logs(None),  # type: ignore[arg-type]

@@ -126,7 +126,19 @@ def freeze_json_object(value: object, *, call: str = "LogHeader") -> JSONObject:
         raise InvalidInputError(
             call, f"config must be a JSON object, got {type(value).__name__}", "pass a dict"
         )
-    return _freeze_mapping(value, call, "config")
+    try:
+        return _freeze_mapping(value, call, "config")
+    except RecursionError:
+        raise InvalidInputError(
+            call,
+            "config is nested too deeply, or holds itself",
+            "pass a config of plain values nested a few levels at most",
+        ) from None
+
+
+# Python reads back no integer of more decimal digits (sys.int_info.default_max_str_digits:
+# 4300 digits, 14_284 bits); a little below, so a header always reads back.
+_MAX_INT_BITS: Final = 14_000
 
 
 def _freeze_mapping(value: Mapping[Any, object], call: str, where: str) -> JSONObject:
@@ -143,6 +155,12 @@ def _freeze_mapping(value: Mapping[Any, object], call: str, where: str) -> JSONO
 
 def _freeze(value: object, call: str, where: str) -> object:
     match value:
+        case int() if value.bit_length() > _MAX_INT_BITS:
+            raise InvalidInputError(
+                call,
+                f"{where} holds an integer of {value.bit_length()} bits, too long for a log",
+                f"use integers of at most {_MAX_INT_BITS} bits (e.g. a digest as a string)",
+            )
         case None | bool() | int() | str():
             return value
         case float() if math.isfinite(value):

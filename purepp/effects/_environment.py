@@ -185,7 +185,14 @@ class Environment(Generic[B, E, W]):
                         getattr(item, field.name), f"{path}.{field.name}" if path else field.name
                     )
 
-        collect(value, "")
+        try:
+            collect(value, "")
+        except RecursionError:
+            raise InvalidInputError(
+                call,
+                f"the {type(value).__name__} is nested too deeply, or holds itself",
+                "pass a state, a result or a tuple of them (what the pure steps return)",
+            ) from None
         return found
 
     # ---- events ------------------------------------------------------------------------

@@ -19,6 +19,7 @@ of refusing the file: that is the log a crash leaves.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import os
@@ -146,18 +147,25 @@ def _log_text(log: EffectLog) -> str:
     return header_json(log.header) + "\n" + "".join(record_lines("dump_log", log.records, 0))
 
 
+def _reason(error: OSError | ValueError) -> str:
+    """What an OSError says (its strerror), or the ValueError of a path holding a NUL."""
+    return (error.strerror if isinstance(error, OSError) else None) or str(error)
+
+
 def _write_atomically(call: str, path: Path, text: str) -> None:
+    fix = "pass a file path in an existing folder this process may write to"
+    if not path.name:  # "" or "/": a folder, and with_name below would raise
+        raise InvalidInputError(call, f"{str(path)!r} is a folder, not a file path", fix)
     # Rename over the target, so a crash mid-write never leaves a half log behind.
     partial = path.with_name(path.name + ".partial")
     try:
         partial.write_text(text, encoding="ascii")
         os.replace(partial, path)
-    except OSError as error:
-        partial.unlink(missing_ok=True)  # a failed write leaves no file behind
+    except (OSError, ValueError) as error:  # ValueError: a NUL in the path
+        with contextlib.suppress(OSError, ValueError):
+            partial.unlink(missing_ok=True)  # a failed write leaves no file behind
         raise InvalidInputError(
-            call,
-            f"{str(path)!r} cannot be written ({error.strerror})",
-            "pass a file path in an existing folder this process may write to",
+            call, f"{str(path)!r} cannot be written ({_reason(error)})", fix
         ) from error
 
 
@@ -194,10 +202,10 @@ def dump_logs(logs: Iterable[EffectLog], directory: str | os.PathLike[str]) -> t
         )
     try:
         folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: a NUL in the path
         raise InvalidInputError(
             call,
-            f"directory {str(folder)!r} cannot be made ({error.strerror})",
+            f"directory {str(folder)!r} cannot be made ({_reason(error)})",
             "pass a folder path (existing or not) under a folder this process may write to",
         ) from error
     paths = tuple(folder / log_file_name(rank) for rank in ranks)
@@ -444,9 +452,9 @@ class LogStream:
         self.lines_read = 0  # lines consumed so far, the header included
         try:
             self._file: BinaryIO | None = self.path.open("rb")
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
             raise self._fail(
-                None, f"cannot be read ({exc.strerror})", "pass an existing log file"
+                None, f"cannot be read ({_reason(exc)})", "pass an existing log file"
             ) from exc
         try:
             self.header = self._read_header(expect_world)
@@ -743,11 +751,20 @@ def _dir_fail(directory: Path, problem: str, fix: str) -> LogFormatError:
 def log_paths(directory: str | os.PathLike[str]) -> tuple[Path, ...]:
     """The `*.jsonl` logs in `directory`, sorted; LogFormatError when there are none."""
     directory = as_path("load_logs", "directory", directory)
-    if not directory.is_dir():
+    try:
+        if not directory.is_dir():
+            raise _dir_fail(
+                directory,
+                "is not a directory",
+                "pass the directory the ranks' logs were written to",
+            )
+        paths = tuple(sorted(directory.glob("*.jsonl")))
+    except (OSError, ValueError) as error:  # a name too long, a NUL in the path
         raise _dir_fail(
-            directory, "is not a directory", "pass the directory the ranks' logs were written to"
-        )
-    paths = tuple(sorted(directory.glob("*.jsonl")))
+            directory,
+            f"cannot be read ({_reason(error)})",
+            "pass the directory the ranks' logs were written to",
+        ) from error
     if not paths:
         raise _dir_fail(
             directory, "holds no *.jsonl logs", "pass the directory the ranks' logs were written to"

@@ -54,10 +54,11 @@ class Recorder:
         if self._path is not None:
             try:
                 self._path.write_text(header_json(header) + "\n", encoding="ascii")
-            except OSError as error:
+            except (OSError, ValueError) as error:  # ValueError: a NUL in the path
                 raise InvalidInputError(
                     "Recorder",
-                    f"path={str(path)!r} cannot be written ({error.strerror})",
+                    f"path={str(path)!r} cannot be written "
+                    f"({getattr(error, 'strerror', None) or error})",
                     "pass a file path in an existing folder this process may write to",
                 ) from error
 
