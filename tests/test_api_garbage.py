@@ -59,6 +59,8 @@ from purepp.effects.vocabulary import (
 from purepp.errors import ConfigError, InvalidInputError, LogFormatError, PureppError
 from purepp.layout import Layout
 from purepp.rank import (
+    Agreed,
+    Begun,
     RankConfig,
     RankDriver,
     ShapeFacts,
@@ -88,6 +90,7 @@ from purepp.testing import (
 
 CONFIG = RelayConfig.for_stage(pp_size=2, stage=0, max_num_reqs=4, num_speculative_steps=1)
 RANK = RankConfig(relay=CONFIG)
+SOLO = RelayConfig.for_stage(pp_size=1, stage=0, max_num_reqs=4, first_rank=0)  # a lone rank
 BATCH = BatchFacts(
     idx_mapping=[0, 2], num_computed_tokens=[4, 0], num_scheduled_tokens=[1, 2], prefill_len=[4, 8]
 )
@@ -1005,6 +1008,38 @@ def test_interpreter_constructors_take_ints_only(data: st.DataObject, name: str)
     torch_made = accepted(lambda: torch_interpreter(**{name: value}) if name != "fill" else None)
     if torch_made is not None:
         assert is_int(value)
+
+
+DISPATCHED = RankConfig(relay=SOLO, dispatcher=DISPATCHER, drafter_dispatcher=DISPATCHER)
+SOLO_SHAPE = ShapeFacts(num_tokens=3)
+SOLO_BEGUN = run(begin(DISPATCHED, init_rank(DISPATCHED)))
+SOLO_STARTED = run(start_agreement_phase(DISPATCHED, SOLO_BEGUN, BATCH, SOLO_SHAPE))
+SOLO_AGREED = run(settle(DISPATCHED, SOLO_STARTED, io()))
+PHASES: dict[str, tuple[Callable[..., Any], dict[str, object]]] = {
+    "settle": (settle, {"config": DISPATCHED, "begun": SOLO_STARTED, "io": io(), "freed": [1]}),
+    "start_agreement_phase": (
+        start_agreement_phase,
+        {"config": DISPATCHED, "begun": SOLO_BEGUN, "batch": BATCH, "shape": SOLO_SHAPE},
+    ),
+    "start_next_agreement": (
+        start_next_agreement,
+        {"config": DISPATCHED, "agreed": SOLO_AGREED, "batch": BATCH, "shape": SOLO_SHAPE},
+    ),
+}
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), name=st.sampled_from(sorted(PHASES)))
+def test_the_other_rank_phases_raise_a_pureppError_or_answer(
+    data: st.DataObject, name: str
+) -> None:
+    """settle and the two starts, each argument in turn garbage (begin, agree and finish
+    are fuzzed in test_relay_input)."""
+    function, good = PHASES[name]
+    parameter = data.draw(st.sampled_from(sorted(good)), label="parameter")
+    value = data.draw(st.one_of(SCALARS, st.sampled_from([STATE, BEGUN, AGREED, RANK])))
+    answer = accepted(lambda: run(function(**{**good, parameter: value})))
+    assert answer is None or type(answer) is (Begun if name == "start_agreement_phase" else Agreed)
 
 
 def test_good_values_still_work() -> None:
