@@ -25,11 +25,12 @@ from hypothesis import strategies as st
 
 from purepp.batch import BatchFacts
 from purepp.cudagraph import CaptureMode, CudaGraphDispatcher
-from purepp.effects.checker import check_logs
+from purepp.effects.checker import check_log_dir, check_logs
 from purepp.effects.io import NumpyIO, TorchIO
 from purepp.effects.log import (
     EffectLog,
     LogHeader,
+    LogStream,
     Recorder,
     assert_logs_equal,
     config_digest,
@@ -37,6 +38,7 @@ from purepp.effects.log import (
     dump_log,
     dump_logs,
     header_json,
+    kind_of,
     load_log,
     load_logs,
     log_file_name,
@@ -609,6 +611,31 @@ CASES: dict[str, Case] = {
         lambda: NumpyInterpreter().resolve(CYCLIC_LIST),
         InvalidInputError,
         "NumpyInterpreter.resolve: the list is nested too deeply, or holds itself",
+    ),
+    "kind_of": (
+        lambda: kind_of("broadcast"),  # type: ignore[arg-type]
+        InvalidInputError,
+        "kind_of: 'broadcast' is a str, not an effect",
+    ),
+    "LogStream allow_cut_end": (
+        lambda: LogStream("rank.jsonl", allow_cut_end="yes"),  # type: ignore[arg-type]
+        InvalidInputError,
+        "LogStream: allow_cut_end='yes' is a str",
+    ),
+    "check_log_dir out": (
+        lambda: check_log_dir(".", out="stdout"),  # type: ignore[arg-type]
+        InvalidInputError,
+        "check_log_dir: out is a str, not a text stream",
+    ),
+    "SimulationResult.interpreter past the world": (
+        lambda: simulate(Layout(1, 1), lambda context: iter(())).interpreter(1),
+        InvalidInputError,
+        "SimulationResult.interpreter: rank=1 is outside 0..0",
+    ),
+    "SimulationResult.interpreter negative": (
+        lambda: simulate(Layout(1, 1), lambda context: iter(())).interpreter(-1),
+        InvalidInputError,
+        "rank=-1 is outside 0..0",
     ),
     "check_logs None": (
         lambda: check_logs(None),  # type: ignore[arg-type]

@@ -74,7 +74,14 @@ _KIND_OF_CLASS: Final[Mapping[type[Effect], str]] = {cls: k for k, cls in EFFECT
 
 def kind_of(effect: Effect) -> str:
     """The `"kind"` tag an effect is written with, e.g. `"broadcast"`."""
-    return _KIND_OF_CLASS[type(effect)]
+    try:
+        return _KIND_OF_CLASS[type(effect)]
+    except KeyError:  # the error path only
+        raise InvalidInputError(
+            "kind_of",
+            f"{effect!r} is a {type(effect).__name__}, not an effect",
+            "pass an effect from purepp.effects.vocabulary",
+        ) from None
 
 
 class _BadValue(ValueError):

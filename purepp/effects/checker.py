@@ -46,7 +46,7 @@ from purepp.effects.matching import (
 from purepp.effects.numpy_interpreter import describe_effect
 from purepp.effects.scheduler import LOCAL_KINDS, CollectiveHub, StreamLanes
 from purepp.effects.vocabulary import AllReduce, Broadcast, Effect
-from purepp.errors import ConfigError, LogFormatError
+from purepp.errors import ConfigError, InvalidInputError, LogFormatError
 
 __all__ = [
     "EXIT_FINDING",
@@ -122,6 +122,12 @@ def check_logs(
 
 def check_log_dir(directory: str | os.PathLike[str], out: TextIO | None = None) -> int:
     """Print `check_logs(directory)`'s text to `out` (default stdout); return its exit code."""
+    if out is not None and not callable(getattr(out, "write", None)):
+        raise InvalidInputError(
+            "check_log_dir",
+            f"out is a {type(out).__name__}, not a text stream",
+            "pass a text stream such as sys.stderr or an io.StringIO, or None for stdout",
+        )
     report = check_logs(directory)
     print(report.text, file=sys.stdout if out is None else out)
     return report.exit_code

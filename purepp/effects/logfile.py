@@ -32,7 +32,7 @@ from typing import Any, BinaryIO, Final
 import attrs
 import cattrs
 
-from purepp._checks import check_int
+from purepp._checks import check_bool, check_int
 from purepp.effects._converter import (
     CONVERTER,
     EFFECT_CLASSES,
@@ -447,7 +447,7 @@ class LogStream:
     ) -> None:
         self.path = as_path("load_log", "path", path)
         check_world("load_log", expect_world)
-        self._allow_cut_end = allow_cut_end
+        self._allow_cut_end = check_bool("LogStream", "allow_cut_end", allow_cut_end)
         self.cut_line: int | None = None  # line number of a cut last line, once reached
         self.lines_read = 0  # lines consumed so far, the header included
         try:

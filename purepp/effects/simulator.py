@@ -102,7 +102,8 @@ class SimulationResult:
     effects: tuple[tuple[Effect, ...], ...]  # by global rank, every effect issued, in order
 
     def interpreter(self, rank: int) -> NumpyInterpreter:
-        return self.interpreters[rank]
+        last = len(self.interpreters) - 1
+        return self.interpreters[check_int("SimulationResult.interpreter", "rank", rank, 0, last)]
 
 
 class _Rank:
