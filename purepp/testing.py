@@ -484,6 +484,9 @@ class TorchTensors:
     """The seam over a `TorchInterpreter`: arrays go to its device, results come back."""
 
     def __init__(self, interpreter: TorchInterpreter) -> None:
+        from purepp.effects.torch_interpreter import TorchInterpreter  # torch only when used
+
+        _expect("TorchTensors", "interpreter", interpreter, TorchInterpreter)
         self._interpreter = interpreter
 
     def bind(self, ref: BufferRef, value: npt.NDArray[Any], /) -> None:
@@ -518,6 +521,7 @@ class RecordingTensors:
     """
 
     def __init__(self, schedule: Schedule) -> None:
+        _expect("RecordingTensors", "schedule", schedule, Schedule)
         self._schedule = schedule
         self._specs: dict[BufferRef, TensorSpec] = {}
 
@@ -765,6 +769,7 @@ def _written(field: attrs.Attribute[Any], value: object) -> bool:
 
 def scripted_header(schedule: Schedule, rank: int) -> LogHeader:
     """The log header of rank `rank` of a scripted run: the schedule's config as JSON."""
+    _expect("scripted_header", "schedule", schedule, Schedule)
     config = schedule.config
     return LogHeader(
         rank=rank,

@@ -77,7 +77,9 @@ from purepp.rank import (
 )
 from purepp.relay import RelayConfig
 from purepp.testing import (
+    RecordingTensors,
     ScheduleConfig,
+    TorchTensors,
     assert_effect_sequence,
     drive,
     make_schedule,
@@ -85,6 +87,7 @@ from purepp.testing import (
     record_scripted_logs,
     record_scripted_rank,
     reduced_agreement_table,
+    scripted_header,
     scripted_program,
     scripted_rank_effects,
     simulate_schedule,
@@ -813,6 +816,21 @@ CASES: dict[str, Case] = {
         lambda: SCHEDULE.at(0, 1),
         InvalidInputError,
         "Schedule.at: replica=1 is outside 0..0",
+    ),
+    "scripted_header": (
+        lambda: scripted_header("schedule", 0),  # type: ignore[arg-type]
+        InvalidInputError,
+        "scripted_header: schedule is a str",
+    ),
+    "TorchTensors": (
+        lambda: TorchTensors(NumpyInterpreter()),  # type: ignore[arg-type]
+        InvalidInputError,
+        "TorchTensors: interpreter is a NumpyInterpreter",
+    ),
+    "RecordingTensors": (
+        lambda: RecordingTensors(None),  # type: ignore[arg-type]
+        InvalidInputError,
+        "RecordingTensors: schedule is a NoneType",
     ),
     "drive": (
         lambda: drive("program", interpreter()),  # type: ignore[arg-type]
