@@ -65,6 +65,7 @@ from purepp.rank import (
     Begun,
     RankConfig,
     RankDriver,
+    Sampled,
     ShapeFacts,
     agree,
     begin,
@@ -881,6 +882,30 @@ def test_a_refused_phase_leaves_the_driver_as_it_was() -> None:
             driver.settle(bad)  # type: ignore[arg-type]
     # The driver still takes the value it handed out last, and agrees the step.
     assert driver.agree(begun, BATCH, SHAPE).batch is BATCH
+
+
+def test_a_refused_finish_leaves_the_step_to_finish_again() -> None:
+    """The last stage's outputs are checked before anything is issued: the same Agreed
+    finishes once the caller passes good outputs (what it bound is bound again)."""
+    relay = RelayConfig.for_stage(pp_size=1, stage=0, max_num_reqs=4, num_speculative_steps=1)
+    last = RankConfig(relay=relay)
+    made = NumpyInterpreter()
+    driver = RankDriver(last, made, NumpyIO(made))
+    agreed = driver.agree(driver.begin(init_rank(last)), BATCH, SHAPE)
+    tokens, counts = np.zeros((2, 2), np.int64), np.ones(2, np.int32)
+    table = np.zeros((4, 1), np.int64)
+    refused: tuple[Sampled[Any], ...] = (
+        Sampled(tokens=tokens, num_sampled=counts, num_rejected=counts - 1),  # no table
+        Sampled(tokens=tokens, num_sampled=[1, 1], num_rejected=counts - 1, draft_table=table),
+        Sampled(tokens="tokens", num_sampled=counts, num_rejected=counts - 1, draft_table=table),
+    )
+    for bad in refused:
+        with pytest.raises(InvalidInputError, match=r"^(finish|NumpyInterpreter\.bind): "):
+            driver.finish(agreed, bad)
+    good: Sampled[Any] = Sampled(
+        tokens=tokens, num_sampled=counts, num_rejected=counts - 1, draft_table=table
+    )
+    assert driver.finish(agreed, good).step == 1
 
 
 def test_refused_binds_and_effects_leave_the_numpy_interpreter_as_it_was() -> None:
