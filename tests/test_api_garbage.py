@@ -342,12 +342,12 @@ CASES: dict[str, Case] = {
     "NumpyInterpreter.perform a non-effect": (
         lambda: NumpyInterpreter().perform((None,)),  # type: ignore[arg-type]
         InvalidInputError,
-        "None is a NoneType, not an effect",
+        "NumpyInterpreter.perform: effects[0] is None, a NoneType",
     ),
     "NumpyInterpreter.perform a str": (
         lambda: NumpyInterpreter().perform("ab"),  # type: ignore[arg-type]
         InvalidInputError,
-        "'a' is a str, not an effect",
+        "effects[0] is 'a', a str",
     ),
     # -- the torch interpreter (CPU) -------------------------------------------------------
     "TorchInterpreter device str": (
@@ -915,7 +915,7 @@ def test_refused_binds_and_effects_leave_the_numpy_interpreter_as_it_was() -> No
     bad_calls: tuple[Callable[[], None], ...] = (
         lambda: made.bind(None, np.zeros(2, np.int64)),  # type: ignore[arg-type]
         lambda: made.bind(REF, [[1], [1, 2]]),
-        lambda: made.perform((None,)),  # type: ignore[arg-type]
+        lambda: made.perform((STEP_ONE, None)),  # type: ignore[arg-type]
         lambda: made.perform(7),  # type: ignore[arg-type]
     )
     for bad in bad_calls:

@@ -100,6 +100,7 @@ __all__ = [
 # and not -1, which index buffers use for "skip this row".
 POISON: Final = -0x0BADF00D
 
+_EFFECT_TYPES: Final = frozenset(typing.get_args(Effect))
 _BIND_FIX = "bind int64 or int32 arrays"
 _EFFECTS_FIX = "pass a tuple of effects from purepp.effects.vocabulary (what a pure step returns)"
 
@@ -415,11 +416,20 @@ class NumpyInterpreter:
 
     def perform(self, effects: Iterable[Effect], /) -> None:
         """Perform `effects` in order; raise if the host would block (a peer is needed)."""
-        if not isinstance(effects, Iterable):
-            raise InvalidInputError(
-                "NumpyInterpreter.perform", f"effects is a {type(effects).__name__}", _EFFECTS_FIX
-            )
-        for effect in effects:
+        call = "NumpyInterpreter.perform"
+        given: object = effects  # the annotation is a promise callers may break
+        if type(given) is not tuple:
+            if not isinstance(given, Iterable):
+                raise InvalidInputError(call, f"effects is a {type(given).__name__}", _EFFECTS_FIX)
+            given = tuple(given)
+        batch = typing.cast(tuple[object, ...], given)
+        # The whole batch first (a set lookup per effect), so a stranger issues nothing.
+        for index, item in enumerate(batch):
+            if type(item) not in _EFFECT_TYPES:
+                raise InvalidInputError(
+                    call, f"effects[{index}] is {item!r}, a {type(item).__name__}", _EFFECTS_FIX
+                )
+        for effect in typing.cast(tuple[Effect, ...], batch):
             self.issue(effect)
             if self.host_blocked():
                 stall = self.stalls()[0]
