@@ -13,10 +13,11 @@ the state or the file it was given as it was.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -62,9 +63,11 @@ from purepp.errors import ConfigError, InvalidInputError, LogFormatError, Purepp
 from purepp.layout import Layout
 from purepp.rank import (
     Agreed,
+    Agreeing,
     Begun,
     RankConfig,
     RankDriver,
+    RankState,
     Sampled,
     ShapeFacts,
     agree,
@@ -1110,6 +1113,36 @@ def test_the_other_rank_phases_raise_a_pureppError_or_answer(
     value = data.draw(st.one_of(SCALARS, st.sampled_from([STATE, BEGUN, AGREED, RANK])))
     answer = accepted(lambda: run(function(**{**good, parameter: value})))
     assert answer is None or type(answer) is (Begun if name == "start_agreement_phase" else Agreed)
+
+
+def _phase_values() -> Iterator[tuple[str, Callable[[object], object], object, str]]:
+    """(what, the phase taking a value, a good value, the field path) for every field."""
+    takes: dict[type, tuple[str, Callable[[Any], object], Any]] = {
+        RankState: ("state", lambda v: run(begin(RANK, v)), STATE),
+        Begun: ("begun", lambda v: run(settle(RANK, v, io())), STARTED),
+        Agreed: ("agreed", lambda v: run(finish(RANK, v, io())), AGREED),
+    }
+    for kind, (name, phase, good) in takes.items():
+        for field in attrs.fields_dict(kind):
+            yield name, phase, attrs.evolve(good, **{field: "garbage"}), f"{name}.{field}"
+    agreeing = STARTED.agreeing
+    for field in attrs.fields_dict(Agreeing):
+        spoiled = attrs.evolve(STARTED, agreeing=attrs.evolve(agreeing, **{field: "garbage"}))
+        yield "begun", takes[Begun][1], spoiled, f"begun.agreeing.{field}"
+
+
+@pytest.mark.parametrize(
+    ("phase", "value", "path"),
+    [(phase, value, path) for _, phase, value, path in _phase_values()],
+    ids=[path for *_, path in _phase_values()],
+)
+def test_a_phase_value_built_by_hand_is_checked_field_by_field(
+    phase: Callable[[object], object], value: object, path: str
+) -> None:
+    """A restored RankState or an attrs.evolve'd Begun or Agreed with a wrong field is
+    refused naming the field, never an AttributeError halfway through the phase."""
+    with pytest.raises(InvalidInputError, match=re.escape(f"{path} has type str")):
+        phase(value)
 
 
 def test_good_values_still_work() -> None:
