@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from types import GeneratorType
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import attrs
 import numpy as np
@@ -266,9 +266,9 @@ def _expect(call: str, name: str, value: object, kind: type) -> None:
         raise InvalidInputError(
             call, f"{name} is a {type(value).__name__}", f"pass the {kind.__name__} it expects"
         )
-    holds = _HOLDS.get(kind)
-    if holds is not None and not holds(value):  # the field-by-field walk names the culprit
-        _expect_fields(call, name, value, _FIELDS[kind])
+    fields = _FIELDS.get(kind)
+    if fields is not None:
+        _expect_fields(call, name, value, fields)
 
 
 def _expect_fields(
@@ -279,7 +279,7 @@ def _expect_fields(
     for field, kinds in fields:
         inner = getattr(value, field)
         if type(inner) not in kinds:
-            allowed = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+            allowed = " or ".join("None" if k is _NONE else k.__name__ for k in kinds)
             raise InvalidInputError(
                 call,
                 f"{name}.{field} has type {type(inner).__name__}, not {allowed}",
@@ -315,40 +315,6 @@ _FIELDS: dict[type, tuple[tuple[str, tuple[type, ...]], ...]] = {
         ("target", (dp.DispatchOutcome,)),
         ("drafter", (dp.DispatchOutcome, _NONE)),
         ("ahead", (Agreeing, _NONE)),
-    ),
-}
-
-
-def _agreeing_holds(value: Agreeing | None) -> bool:
-    return value is None or (
-        type(value) is Agreeing
-        and type(value.step) is int
-        and type(value.batch) is BatchFacts
-        and type(value.facts) is dp.RankBatch
-        and type(value.pending) is dp.PendingAgreement
-    )
-
-
-# `_FIELDS` as straight-line checks: a few hundred nanoseconds a phase.
-_HOLDS: dict[type, Callable[[Any], bool]] = {
-    RankState: lambda v: (
-        type(v.relay) is RelayState
-        and type(v.lanes) is dp.AgreementLanes
-        and _agreeing_holds(v.agreeing)
-    ),
-    Begun: lambda v: (
-        type(v.relay) is RelayState
-        and type(v.lanes) is dp.AgreementLanes
-        and (v.consumed is None or type(v.consumed) is ConsumedOutputs)
-        and _agreeing_holds(v.agreeing)
-    ),
-    Agreed: lambda v: (
-        type(v.relay) is RelayState
-        and type(v.lanes) is dp.AgreementLanes
-        and type(v.batch) is BatchFacts
-        and type(v.target) is dp.DispatchOutcome
-        and (v.drafter is None or type(v.drafter) is dp.DispatchOutcome)
-        and _agreeing_holds(v.ahead)
     ),
 }
 
