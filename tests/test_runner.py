@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from purepp.runner.cli import launch
 from purepp.runner.parity import check_parity
 from purepp.runner.results import PlanCounts
 from purepp.runner.scheduler import Scheduler, SchedulerConfig
-from purepp.runner.settings import RunSettings
+from purepp.runner.settings import MAX_SPECULATIVE_STEPS, RunSettings
 from purepp.runner.toy_model import (
     ForwardPlan,
     ToyStage,
@@ -187,6 +188,59 @@ def test_settings_reject_bad_options() -> None:
     ):
         with pytest.raises(ConfigError, match="purepp run"):
             RunSettings(**bad)
+
+
+def test_settings_accept_each_bound() -> None:
+    """The library's own bounds, at their edges (`purepp run` asks for a request or more)."""
+    RunSettings(pp=1, dp=1, steps=0, requests=0, spec=0, seed=0, timeout_s=0.001)
+    RunSettings(pp=8, num_layers=8, spec=MAX_SPECULATIVE_STEPS)
+    refused: list[dict[str, Any]] = [
+        dict(pp=9, num_layers=8),
+        dict(steps=-1),
+        dict(requests=-1),
+        dict(spec=-1),
+    ]
+    for bad in refused:
+        with pytest.raises(ConfigError, match="purepp run"):
+            RunSettings(**bad)
+
+
+@pytest.mark.parametrize("spec", [0, 1, MAX_SPECULATIVE_STEPS])
+def test_the_longest_request_fits_the_model_length_with_every_draft_rejected(spec: int) -> None:
+    """The longest prompt and output of the workload, its drafts always rejected, so it
+    decodes one token a step with all its drafts past the end: every position the
+    scheduler asks the toy model for lies within `max_model_len`."""
+    settings = RunSettings(pp=1, dp=1, spec=spec)
+    workload = settings.workload
+    request = Request(
+        request_id=0,
+        replica=0,
+        arrival_step=0,
+        prompt=tuple(range(1, workload.max_prompt + 1)),
+        max_tokens=workload.max_output,
+        abort_after_steps=None,
+    )
+    config = SchedulerConfig(
+        max_num_reqs=1,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        chunk_size=settings.chunk_size,
+        num_speculative_steps=spec,
+        pp_size=1,
+    )
+    scheduler = Scheduler(config, [request])
+    stage = ToyStage(range(1), 1, settings.max_model_len, torch.device("cpu"))
+    step = 0
+    while 0 not in scheduler.finished:
+        scheduler.admit(step)
+        for row in scheduler.schedule(step).rows:
+            plan = ForwardPlan.build(64, [row.slot], [row.start], [list(row.token_ids)])
+            stage.forward(plan, None)  # an IndexError past the cache's end
+            assert row.start + len(row.token_ids) <= settings.max_model_len
+            if row.samples:
+                drafts = [VOCAB - 1] * spec  # never the token sampled next
+                scheduler.apply_outputs(row, row.slot, [step % 7], row.num_drafts, drafts)
+        step += 1
+    assert len(scheduler.outputs[0]) == workload.max_output
 
 
 @pytest.mark.multiprocess
