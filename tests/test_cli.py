@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from purepp.runner import supervise
 from purepp.runner.cli import main
 from purepp.runner.exit_codes import Exit, interrupted
 from purepp.runner.options import check_log_dir
+from purepp.runner.settings import RunSettings
+from purepp.runner.summary import RunSummary, summarise
 from purepp.runner.supervise import LOCK_FILE
+from tests.test_run_parts import rank_result
 
 GOLDEN = Path(__file__).parent / "data" / "golden" / "pp2_spec2"
 
@@ -168,6 +173,77 @@ def test_check_reads_a_golden_log(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == Exit.OK, out + err
     assert out.startswith("ok")
     assert err == ""
+
+
+# -- a run's end, the launcher's part given ---------------------------------------------
+# These replace the supervisor's launch (the processes) with its result: the summary of
+# ranks that produced `produced` against a reference that produced `expected`.
+
+
+def _launched(
+    monkeypatch: pytest.MonkeyPatch,
+    produced: dict[int, list[int]],
+    expected: dict[int, list[int]],
+) -> list[dict[str, object]]:
+    calls: list[dict[str, object]] = []
+
+    def launch(
+        settings: RunSettings,
+        *,
+        log_dir: str | None = None,
+        trace: str | None = None,
+        run_id: str | None = None,
+        progress: bool = True,
+    ) -> RunSummary:
+        calls.append(dict(log_dir=log_dir, trace=trace, run_id=run_id, progress=progress))
+        return summarise(settings, [rank_result(0, produced)], [rank_result(0, expected)])
+
+    monkeypatch.setattr(supervise, "launch", launch)
+    return calls
+
+
+def test_a_run_prints_its_summary_its_id_and_where_its_logs_and_trace_are(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    calls = _launched(monkeypatch, {3: [5, 6]}, {3: [5, 6]})
+    logs, trace = tmp_path / "logs", tmp_path / "trace.json"
+    code = main(["run", "--pp", "1", "--dp", "1", "--log-dir", str(logs), "--trace", str(trace)])
+    out, err = capsys.readouterr()
+    assert code == Exit.OK, err
+    [call] = calls
+    run_id = call.pop("run_id")
+    assert call == dict(log_dir=str(logs), trace=str(trace), progress=True)  # drawn, for a user
+    assert out.startswith("purepp run: pp=1 x dp=1 on gloo")
+    assert "parity           OK: " in out
+    assert f"  run id           {run_id}\n" in out
+    assert f"  effect logs      {logs} (check them with: purepp check {logs})\n" in out
+    assert f"  trace            {trace} (open it in the Perfetto UI)\n" in out
+
+
+def test_a_run_without_logs_or_trace_names_neither_and_a_mismatch_exits_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _launched(monkeypatch, {3: [5, 6]}, {3: [5, 7]})
+    code = main(["run", "--pp", "1", "--dp", "1"])
+    out, _ = capsys.readouterr()
+    assert code == Exit.FAILED
+    assert "parity           MISMATCH" in out
+    assert "effect logs" not in out
+    assert "  trace " not in out
+
+
+def test_ctrl_c_before_the_run_took_its_signals_exits_130(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted_launch(settings: RunSettings, **_: object) -> RunSummary:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(supervise, "launch", interrupted_launch)
+    code = main(["run"])
+    out, err = capsys.readouterr()
+    assert code == interrupted(signal.SIGINT) == 130
+    assert out == ""
+    assert err == "\npurepp run: interrupted; nothing was left running\n"
 
 
 def test_exit_codes_are_distinct() -> None:
