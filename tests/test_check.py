@@ -142,6 +142,12 @@ def test_matched_logs_are_ok_in_one_line(tmp_path: Path) -> None:
     assert (report.ranks, report.records, report.collectives, report.steps) == (2, 18, 6, 3)
 
 
+def test_a_lone_rank_of_one_step_is_counted_in_the_singular(tmp_path: Path) -> None:
+    lone = Layout(pp=1, dp=1)
+    report = check_logs(write(tmp_path, lone, [list(relay(0, src=0, op=Op.BROADCAST))]))
+    assert report.text == "ok: 1 rank, 1 collective over 1 step, every communicator matches"
+
+
 def overlapped_agreements(rank: int, steps: int) -> list[Effect]:
     """Each step's agreement started inside the step before (`purepp run --overlap-agreement`)."""
     effects: list[Effect] = [agree(0, Communicator.DP_CPU, rank)]
@@ -173,7 +179,9 @@ def test_check_log_dir_prints_the_report_and_returns_its_exit_code(tmp_path: Pat
 def test_header_only_logs_are_nothing_recorded_not_ok(tmp_path: Path) -> None:
     report = check_logs(write(tmp_path, PAIR, [[], []]))
     assert (report.ok, report.exit_code) == (False, EXIT_FINDING)
-    assert report.text.startswith("nothing recorded: the 2 ranks' logs hold a header and no effect")
+    assert report.text.startswith(
+        "nothing recorded: the logs of 2 ranks hold a header and no effect"
+    )
 
 
 # ---- logs that are not one run's ---------------------------------------------------------

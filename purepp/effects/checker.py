@@ -30,6 +30,7 @@ from typing import Final, TextIO
 import attrs
 
 from purepp._checks import check_int
+from purepp._text import counted
 from purepp.effects._converter import EFFECT_KINDS
 from purepp.effects.logfile import LogStream, as_path, check_same_run, log_paths
 from purepp.effects.logmodel import LogHeader
@@ -323,12 +324,13 @@ class _Check:
         summary = self._report("")
         if summary.records == 0:
             return self._report(
-                f"nothing recorded: the {summary.ranks} ranks' logs hold a header and no"
-                " effect (the run stopped before its first step, or logging was off)"
+                f"nothing recorded: the logs of {counted(summary.ranks, 'rank')} hold a header"
+                " and no effect (the run stopped before its first step, or logging was off)"
             )
         return self._report(
-            f"ok: {summary.ranks} ranks, {summary.collectives} collectives over"
-            f" {summary.steps} steps, every communicator matches",
+            f"ok: {counted(summary.ranks, 'rank')}, "
+            f"{counted(summary.collectives, 'collective')} over "
+            f"{counted(summary.steps, 'step')}, every communicator matches",
             ok=True,
         )
 

@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
+from purepp._text import counted
+
 __all__ = ["Mismatch", "ParityVerdict", "check_parity"]
 
 
@@ -54,8 +56,9 @@ class ParityVerdict:
                 "is unknown; raise --steps (0 runs every request to the end) or --requests"
             )
         return (
-            f"OK: {self.compared} tokens compared; {self.exact} requests finished in both "
-            f"runs match token for token; {self.prefixes} aborted or unfinished ones agree "
+            f"OK: {counted(self.compared, 'token')} compared; "
+            f"{counted(self.exact, 'request')} finished in both runs match token for token; "
+            f"{self.prefixes} aborted or unfinished ones agree "
             "as far as both got"
         )
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import attrs
 
+from purepp._text import counted
 from purepp.runner.parity import ParityVerdict, check_parity
 from purepp.runner.results import PlanCounts, RankResult
 from purepp.runner.settings import RunSettings
@@ -38,12 +39,13 @@ class RunSummary:
             f"{self.drafts_accepted}/{self.drafts_proposed}" if self.drafts_proposed else "none"
         )
         p = self.plans
+        lowered = counted(p.lowered, "plan")
         interpreter = {
             "eager": "eager",
             "checked": "checked: every effect validated",
-            "plan": f"plan: {p.lowered} plans lowered; batches run {p.planned} by a plan, "
+            "plan": f"plan: {lowered} lowered; batches run {p.planned} by a plan, "
             f"{p.eager} eagerly",
-            "captured": f"captured: {p.lowered} plans lowered; batches run {p.replayed} by "
+            "captured": f"captured: {lowered} lowered; batches run {p.replayed} by "
             f"a CUDA-graph replay, {p.planned} by a plan, {p.eager} eagerly",
         }[s.interpreter]
         return "\n".join(
@@ -56,8 +58,8 @@ class RunSummary:
                 f"  requests         {self.requests} ({self.aborted} aborted in flight)",
                 f"  tokens           {self.tokens} in {self.seconds:.2f} s ({rate:.1f} tokens/s)",
                 f"  drafts accepted  {accepted}",
-                f"  batch shapes     {self.padded_tokens} tokens of CUDA-graph padding, "
-                f"{self.eager_steps} steps agreed eager across DP",
+                f"  batch shapes     {counted(self.padded_tokens, 'token')} of CUDA-graph padding, "
+                f"{counted(self.eager_steps, 'step')} agreed eager across DP",
                 f"  parity           {self.verdict.render()}",
             ]
         )
