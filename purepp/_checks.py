@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from purepp._text import a_type
 from purepp.errors import ConfigError, InvalidInputError
 
 __all__ = ["INT32_MAX", "check_bool", "check_int", "check_optional_int", "store_ints"]
@@ -47,7 +48,7 @@ def check_int(
     if as_int is None:
         raise error(
             call,
-            f"{name}={value!r} is a {type(value).__name__}, not an int",
+            f"{name}={value!r} is {a_type(value)}, not an int",
             fix or f"pass {name} as an int in {lo}..{hi}",
         )
     if not lo <= as_int <= hi:
@@ -73,7 +74,7 @@ def check_bool(call: str, name: str, value: Any, *, config: bool = False) -> boo
     if isinstance(value, np.bool_):
         return bool(value)
     error = ConfigError if config else InvalidInputError
-    raise error(call, f"{name}={value!r} is a {type(value).__name__}", f"pass {name} as a bool")
+    raise error(call, f"{name}={value!r} is {a_type(value)}", f"pass {name} as a bool")
 
 
 def store_ints(instance: object, **values: int | None) -> None:

@@ -33,6 +33,7 @@ from typing import Any, Protocol, cast
 import attrs
 
 from purepp._checks import check_bool, check_int, check_optional_int, store_ints
+from purepp._text import a_type
 from purepp.errors import ConfigError, InvalidInputError
 
 __all__ = [
@@ -173,7 +174,7 @@ def _check_dispatcher(instance: CudaGraphDispatcher) -> None:
     if not isinstance(instance.capture_mode, CaptureMode):
         raise ConfigError(
             call,
-            f"capture_mode={instance.capture_mode!r} is a {type(instance.capture_mode).__name__}",
+            f"capture_mode={instance.capture_mode!r} is {a_type(instance.capture_mode)}",
             "pass a CaptureMode, e.g. CaptureMode.FULL (or CaptureMode('full') from a string)",
         )
     for name, values in (

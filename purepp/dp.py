@@ -70,6 +70,7 @@ import numpy as np
 import numpy.typing as npt
 
 from purepp._checks import INT32_MAX, check_bool, check_int, check_optional_int, store_ints
+from purepp._text import a_type, with_article
 from purepp.cudagraph import BatchExecutionDescriptor, CUDAGraphMode, Dispatcher
 from purepp.effects.arrays import ARRAY_EQ, IntArray, readonly
 from purepp.effects.vocabulary import (
@@ -181,7 +182,7 @@ def _check_layout(instance: TableLayout) -> None:
     if micro is not None and type(micro) is not MicrobatchConfig:
         raise ConfigError(
             "TableLayout",
-            f"microbatch={micro!r} is a {type(micro).__name__}",
+            f"microbatch={micro!r} is {a_type(micro)}",
             "pass a MicrobatchConfig for the newest six-row layout, or None for the seed's",
         )
 
@@ -572,7 +573,9 @@ def _check_start(
         ):
             if type(value) is not cls:
                 raise InvalidInputError(
-                    call, f"{name}={value!r} is not an {cls.__name__}", f"pass an {cls.__name__}"
+                    call,
+                    f"{name}={value!r} is not {with_article(cls.__name__)}",
+                    f"pass {with_article(cls.__name__)}",
                 )
     if type(step) is not int:
         check_int(call, "step", step, 0, fix="pass the decode step as an int >= 0")

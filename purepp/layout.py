@@ -9,6 +9,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from purepp._text import a_type
 from purepp.errors import ConfigError
 
 __all__ = ["Layout"]
@@ -38,7 +39,7 @@ def _index(call: str, name: str, value: object) -> int:
     if isinstance(value, np.integer):
         return int(value)
     raise ConfigError(
-        call, f"{name}={value!r} is a {type(value).__name__}, not an int", f"pass {name} as an int"
+        call, f"{name}={value!r} is {a_type(value)}, not an int", f"pass {name} as an int"
     )
 
 

@@ -45,6 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from purepp import dp
+from purepp._text import a_type
 from purepp.batch import BatchFacts
 from purepp.cudagraph import BatchExecutionDescriptor, Dispatcher
 from purepp.effects.arrays import IntArray
@@ -155,7 +156,7 @@ class RankConfig:
             if value is not None and not callable(getattr(value, "dispatch", None)):
                 raise InvalidInputError(
                     "RankConfig",
-                    f"{name} is a {type(value).__name__}, which has no dispatch method",
+                    f"{name} is {a_type(value)}, which has no dispatch method",
                     f"pass {name} as a CudaGraphDispatcher (or any Dispatcher), or None",
                 )
 
@@ -264,7 +265,7 @@ def _expect(call: str, name: str, value: object, kind: type) -> None:
     """The phases' boundary check: each takes only the value the one before returned."""
     if type(value) is not kind:
         raise InvalidInputError(
-            call, f"{name} is a {type(value).__name__}", f"pass the {kind.__name__} it expects"
+            call, f"{name} is {a_type(value)}", f"pass the {kind.__name__} it expects"
         )
     fields = _FIELDS.get(kind)
     if fields is not None:
@@ -342,7 +343,7 @@ def _expect_steps(call: str, steps: object) -> None:
     if not isinstance(steps, RankSteps):
         raise InvalidInputError(
             call,
-            f"steps is a {type(steps).__name__}",
+            f"steps is {a_type(steps)}",
             "pass a RankSteps (attrs.evolve(REAL_STEPS, ...) to swap one step), or leave it out",
         )
 
@@ -350,7 +351,7 @@ def _expect_steps(call: str, steps: object) -> None:
 def _expect_io(call: str, io: object) -> None:
     if not all(callable(getattr(io, m, None)) for m in ("bind", "spec", "upload", "host_table")):
         raise InvalidInputError(
-            call, f"io is a {type(io).__name__}", "pass a StepIO (e.g. NumpyIO or TorchIO)"
+            call, f"io is {a_type(io)}", "pass a StepIO (e.g. NumpyIO or TorchIO)"
         )
 
 
@@ -688,7 +689,7 @@ def perform_phase(phase: StepPhase[R], interpreter: Interpreter) -> R:
     if type(phase) is not GeneratorType and not isinstance(phase, Generator):
         raise InvalidInputError(
             "perform_phase",
-            f"phase is a {type(phase).__name__}, not a generator",
+            f"phase is {a_type(phase)}, not a generator",
             "pass what a phase returns, e.g. perform_phase(begin(config, state), interpreter)",
         )
     try:
@@ -702,7 +703,7 @@ def perform_phase(phase: StepPhase[R], interpreter: Interpreter) -> R:
                         raise
                     raise InvalidInputError(
                         "perform_phase",
-                        f"interpreter is a {type(interpreter).__name__}, which has no perform",
+                        f"interpreter is {a_type(interpreter)}, which has no perform",
                         "pass an Interpreter (e.g. a NumpyInterpreter or a TorchInterpreter)",
                     ) from None
             effects = phase.send(None)
@@ -742,7 +743,7 @@ class RankDriver(Generic[T]):
         if not callable(getattr(interpreter, "perform", None)):
             raise InvalidInputError(
                 "RankDriver",
-                f"interpreter is a {type(interpreter).__name__}, which has no perform method",
+                f"interpreter is {a_type(interpreter)}, which has no perform method",
                 "pass an Interpreter (e.g. a NumpyInterpreter or a TorchInterpreter)",
             )
         _expect_io("RankDriver", io)

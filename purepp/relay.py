@@ -46,6 +46,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from purepp._text import a_type, with_article
 from purepp.batch import BatchFacts
 from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray, frozen
 from purepp.effects.keyed import KeyedEffects
@@ -143,9 +144,7 @@ class RelayInputs:
 def _strict_int(call: str, name: str, value: object, low: int, high: int = _INT32_MAX) -> int:
     """`value` if it is an int in low..high (bools, floats and strings are refused)."""
     if type(value) is not int and not isinstance(value, np.integer):
-        raise ConfigError(
-            call, f"{name}={value!r} is a {type(value).__name__}", f"pass {name} as an int"
-        )
+        raise ConfigError(call, f"{name}={value!r} is {a_type(value)}", f"pass {name} as an int")
     number = operator.index(value)
     if not low <= number <= high:
         raise ConfigError(call, f"{name}={number} is outside {low}..{high}", f"use {low}..{high}")
@@ -171,7 +170,9 @@ def _check_config(config: RelayConfig) -> None:
     ):
         if not isinstance(value, kind):
             raise ConfigError(
-                call, f"{name}={value!r}", f"pass a {kind.__name__} ({', '.join(kind.__members__)})"
+                call,
+                f"{name}={value!r}",
+                f"pass {with_article(kind.__name__)} ({', '.join(kind.__members__)})",
             )
     if type(config.validate_header) is not bool:
         raise ConfigError(call, f"validate_header={config.validate_header!r}", "pass True or False")
@@ -451,7 +452,7 @@ def free_request_slot(config: RelayConfig, state: RelayState, slot: int) -> Step
     given: object = slot  # a caller's value, whatever its annotation says
     if type(given) is not int and not isinstance(given, np.integer):
         raise InvalidInputError(
-            "free_request_slot", f"slot={slot!r} is a {type(slot).__name__}", "pass one int slot"
+            "free_request_slot", f"slot={slot!r} is {a_type(slot)}", "pass one int slot"
         )
     return free_request_slots(config, state, (slot,))
 
@@ -1223,7 +1224,7 @@ def relay_aux_hidden_states(
     for name, given in (("incoming", incoming), ("outgoing", outgoing)):
         if not isinstance(given, Mapping) and not (name == "incoming" and given is None):
             raise InvalidInputError(
-                call, f"{name} is a {type(given).__name__}", f"pass {name} as a dict of tensors"
+                call, f"{name} is {a_type(given)}", f"pass {name} as a dict of tensors"
             )
     keys = config.aux_hidden_state_keys
     if not keys:

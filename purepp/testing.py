@@ -41,6 +41,7 @@ import numpy.typing as npt
 
 from purepp import dp
 from purepp._checks import INT32_MAX, check_int
+from purepp._text import a_type, with_article
 from purepp.batch import BatchFacts, need_sampled_mask
 from purepp.cudagraph import BatchExecutionDescriptor, CaptureMode, CudaGraphDispatcher
 from purepp.effects.arrays import ARRAY_EQ, IntArray, arrays_equal, int32_array, readonly
@@ -410,7 +411,7 @@ class _ReplicaPlanner:
 def _expect(call: str, name: str, value: object, kind: type) -> None:
     if not isinstance(value, kind):
         raise InvalidInputError(
-            call, f"{name} is a {type(value).__name__}", f"pass a {kind.__name__}"
+            call, f"{name} is {a_type(value)}", f"pass {with_article(kind.__name__)}"
         )
 
 
@@ -418,7 +419,7 @@ def _expect_steps_for(call: str, steps_for: object) -> None:
     if not callable(steps_for):
         raise InvalidInputError(
             call,
-            f"steps_for is a {type(steps_for).__name__}, not callable",
+            f"steps_for is {a_type(steps_for)}, not callable",
             "pass a function of a rank that returns that rank's RankSteps",
         )
 
@@ -670,12 +671,12 @@ def scripted_rank_effects(
     _check_rank(call, schedule, rank)
     if not all(callable(getattr(io, m, None)) for m in ("bind", "spec", "upload", "host_table")):
         raise InvalidInputError(
-            call, f"io is a {type(io).__name__}", "pass a ScriptedIO (e.g. NumpyTensors)"
+            call, f"io is {a_type(io)}", "pass a ScriptedIO (e.g. NumpyTensors)"
         )
     if not callable(getattr(io, "read", None)):
         raise InvalidInputError(
             call,
-            f"io is a {type(io).__name__}, which has no read method",
+            f"io is {a_type(io)}, which has no read method",
             "pass a ScriptedIO (e.g. NumpyTensors): a StepIO that also reads results back",
         )
     return _scripted_rank(schedule, rank, io, REAL_STEPS if steps is None else steps)
@@ -869,7 +870,7 @@ def assert_effect_sequence(actual: Sequence[Effect], expected: Sequence[Expected
         if not isinstance(value, Sequence) or isinstance(value, str | bytes):
             raise InvalidInputError(
                 "assert_effect_sequence",
-                f"{name} is a {type(value).__name__}",
+                f"{name} is {a_type(value)}",
                 "pass a sequence (e.g. a tuple) of effects",
             )
     for index in range(max(len(actual), len(expected))):

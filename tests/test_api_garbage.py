@@ -173,7 +173,7 @@ CASES: dict[str, Case] = {
     "RankConfig drafter_dispatcher": (
         lambda: RankConfig(relay=CONFIG, drafter_dispatcher=3),  # type: ignore[arg-type]
         InvalidInputError,
-        "drafter_dispatcher is a int",
+        "drafter_dispatcher is an int",
     ),
     "settle begun": (
         lambda: run(settle(RANK, "begun", io())),  # type: ignore[arg-type]
@@ -203,12 +203,12 @@ CASES: dict[str, Case] = {
     "start_agreement_phase steps": (
         lambda: run(start_agreement_phase(RANK, BEGUN, BATCH, SHAPE, steps=1)),  # type: ignore[arg-type]
         InvalidInputError,
-        "start_agreement_phase: steps is a int",
+        "start_agreement_phase: steps is an int",
     ),
     "start_next_agreement steps": (
         lambda: run(start_next_agreement(RANK, AGREED, BATCH, SHAPE, steps=1)),  # type: ignore[arg-type]
         InvalidInputError,
-        "start_next_agreement: steps is a int",
+        "start_next_agreement: steps is an int",
     ),
     "settle steps": (
         lambda: run(settle(RANK, STARTED, io(), steps="x")),  # type: ignore[arg-type]
@@ -218,7 +218,7 @@ CASES: dict[str, Case] = {
     "finish steps": (
         lambda: run(finish(RANK, AGREED, io(), None, 3)),  # type: ignore[arg-type]
         InvalidInputError,
-        "finish: steps is a int",
+        "finish: steps is an int",
     ),
     "perform_phase phase": (
         lambda: perform_phase("phase", interpreter()),  # type: ignore[arg-type]
@@ -325,7 +325,7 @@ CASES: dict[str, Case] = {
     "NumpyInterpreter.host_array int": (
         lambda: NumpyInterpreter().host_array(3),  # type: ignore[arg-type]
         InvalidInputError,
-        "the name 3 is a int",
+        "the name 3 is an int",
     ),
     "NumpyInterpreter.host_array list": (
         lambda: NumpyInterpreter().host_array([1]),  # type: ignore[arg-type]
@@ -335,12 +335,12 @@ CASES: dict[str, Case] = {
     "NumpyInterpreter.event_completed str": (
         lambda: NumpyInterpreter().event_completed("e"),  # type: ignore[arg-type]
         InvalidInputError,
-        "the name 'e' is a str, not a EventRef",
+        "the name 'e' is a str, not an EventRef",
     ),
     "NumpyInterpreter.perform int": (
         lambda: NumpyInterpreter().perform(3),  # type: ignore[arg-type]
         InvalidInputError,
-        "NumpyInterpreter.perform: effects is a int",
+        "NumpyInterpreter.perform: effects is an int",
     ),
     "NumpyInterpreter.perform a non-effect": (
         lambda: NumpyInterpreter().perform((None,)),  # type: ignore[arg-type]
@@ -386,7 +386,7 @@ CASES: dict[str, Case] = {
     "TorchInterpreter plans": (
         lambda: torch_interpreter(plans=1),
         ConfigError,
-        "plans=1 is a int",
+        "plans=1 is an int",
     ),
     "TorchInterpreter capture_copies str": (
         lambda: torch_interpreter(capture_copies="3"),
@@ -416,7 +416,7 @@ CASES: dict[str, Case] = {
     "TorchInterpreter.perform int": (
         lambda: torch_interpreter().perform(3),  # type: ignore[arg-type]
         InvalidInputError,
-        "effects is a int",
+        "effects is an int",
     ),
     "TorchInterpreter.perform a non-effect": (
         lambda: torch_interpreter().perform((None,)),  # type: ignore[arg-type]
@@ -431,7 +431,7 @@ CASES: dict[str, Case] = {
     "TorchInterpreter.perform checked": (
         lambda: torch_interpreter(checked=True).perform((3,)),  # type: ignore[arg-type]
         InvalidInputError,
-        "TorchInterpreter.perform: effects[0] is 3, a int, not an effect",
+        "TorchInterpreter.perform: effects[0] is 3, an int, not an effect",
     ),
     "TorchInterpreter.perform plans": (
         lambda: torch_interpreter(plans=True).perform((STEP_ONE, "x")),  # type: ignore[arg-type]
@@ -452,12 +452,12 @@ CASES: dict[str, Case] = {
     "load_logs int": (
         lambda: load_logs(3),  # type: ignore[arg-type]
         InvalidInputError,
-        "load_logs: directory=3 is a int",
+        "load_logs: directory=3 is an int",
     ),
     "load_logs expect_world": (
         lambda: load_logs(".", expect_world=2),  # type: ignore[arg-type]
         InvalidInputError,
-        "load_logs: expect_world is a int",
+        "load_logs: expect_world is an int",
     ),
     "dump_log None": (
         lambda: dump_log(LOGS[0], None),  # type: ignore[arg-type]
@@ -472,7 +472,7 @@ CASES: dict[str, Case] = {
     "dump_logs one log": (
         lambda: dump_logs(LOGS[0], "unused"),  # type: ignore[arg-type]
         InvalidInputError,
-        "dump_logs: logs is a EffectLog",
+        "dump_logs: logs is an EffectLog",
     ),
     "dump_logs a None among them": (
         lambda: dump_logs([LOGS[0], None], "unused"),  # type: ignore[list-item]
@@ -522,12 +522,12 @@ CASES: dict[str, Case] = {
     "EffectLog records": (
         lambda: EffectLog(HEADER, 3),  # type: ignore[arg-type]
         InvalidInputError,
-        "EffectLog: records is a int",
+        "EffectLog: records is an int",
     ),
     "EffectLog.from_effects effects": (
         lambda: EffectLog.from_effects(HEADER, 3),  # type: ignore[arg-type]
         InvalidInputError,
-        "EffectLog.from_effects: effects is a int",
+        "EffectLog.from_effects: effects is an int",
     ),
     "Recorder inner": (
         lambda: Recorder(HEADER, "inner"),  # type: ignore[arg-type]
@@ -537,12 +537,12 @@ CASES: dict[str, Case] = {
     "Recorder path": (
         lambda: Recorder(HEADER, path=3),  # type: ignore[arg-type]
         InvalidInputError,
-        "Recorder: path=3 is a int",
+        "Recorder: path=3 is an int",
     ),
     "Recorder.perform int": (
         lambda: Recorder(HEADER).perform(3),  # type: ignore[arg-type]
         InvalidInputError,
-        "Recorder.perform: effects is a int",
+        "Recorder.perform: effects is an int",
     ),
     "log_file_name str": (
         lambda: log_file_name("0"),  # type: ignore[arg-type]
@@ -774,7 +774,7 @@ CASES: dict[str, Case] = {
     "record_scripted_logs steps_for's answer": (
         lambda: record_scripted_logs(SCHEDULE, steps_for=lambda rank: 3),  # type: ignore[arg-type,return-value]
         InvalidInputError,
-        "begin: steps is a int",
+        "begin: steps is an int",
     ),
     "record_scripted_rank": (
         lambda: record_scripted_rank("schedule", 0),  # type: ignore[arg-type]
@@ -844,7 +844,7 @@ CASES: dict[str, Case] = {
     "assert_effect_sequence": (
         lambda: assert_effect_sequence(3, [STEP_ONE]),  # type: ignore[arg-type]
         InvalidInputError,
-        "assert_effect_sequence: actual is a int",
+        "assert_effect_sequence: actual is an int",
     ),
     # -- the dispatcher's LoRA rounding ------------------------------------------------------
     "effective_loras str": (

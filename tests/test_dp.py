@@ -152,10 +152,16 @@ def test_start_is_synchronous_unless_asked_and_names_a_wrong_argument() -> None:
     (effect,) = start_agreement(FREE, group, SPEC, facts, step=3).effects
     assert isinstance(effect, AllReduce)
     assert effect.work is None  # the seed's blocking all-reduce unless asynchronous=True
-    for position, name, wrong in ((0, "lanes", group), (1, "group", facts), (3, "batch", FREE)):
+    for position, name, wrong, expected in (
+        (0, "lanes", group, "an AgreementLanes"),
+        (1, "group", facts, "an AgreementGroup"),
+        (3, "batch", FREE, "a RankBatch"),
+    ):
         args: list[Any] = [FREE, group, SPEC, facts]
         args[position] = wrong
-        with pytest.raises(InvalidInputError, match=rf"^start_agreement: {name}=.* is not an"):
+        with pytest.raises(
+            InvalidInputError, match=rf"^start_agreement: {name}=.* is not {expected}"
+        ):
             start_agreement(*args, step=3)
 
 
@@ -637,7 +643,7 @@ def test_a_dispatcher_that_answers_no_descriptor_is_invalid_input() -> None:
         ({"uniform": 0}, InvalidInputError, "uniform_token_count=0"),
         ({"max_query_len": 0}, InvalidInputError, "max_query_len=0"),
         ({"max_query_len": float("nan")}, InvalidInputError, "max_query_len=nan"),
-        ({"need_eager": 1}, InvalidInputError, "need_eager=1 is a int"),
+        ({"need_eager": 1}, InvalidInputError, "need_eager=1 is an int"),
         ({"num_reqs": 5, "uniform": None}, InvalidInputError, "num_reqs=5 exceeds num_tokens=4"),
         ({"num_reqs": 3}, InvalidInputError, "uniform_token_count=2 x num_reqs=3"),
         ({"step": -1}, InvalidInputError, "step=-1"),

@@ -32,6 +32,7 @@ from cattrs.gen import make_dict_structure_fn, override
 from cattrs.strategies import configure_tagged_union
 from cattrs.v import format_exception
 
+from purepp._text import a_type
 from purepp.effects.arrays import IntArray, readonly
 from purepp.effects.vocabulary import BufferRef, Effect, EventRef, WorkRef
 from purepp.errors import InvalidInputError, PureppError
@@ -79,7 +80,7 @@ def kind_of(effect: Effect) -> str:
     except KeyError:  # the error path only
         raise InvalidInputError(
             "kind_of",
-            f"{effect!r} is a {type(effect).__name__}, not an effect",
+            f"{effect!r} is {a_type(effect)}, not an effect",
             "pass an effect from purepp.effects.vocabulary",
         ) from None
 

@@ -27,6 +27,7 @@ from typing import Generic, NoReturn, TypeVar
 
 import attrs
 
+from purepp._text import a_type, with_article
 from purepp.effects.vocabulary import (
     BufferRef,
     DType,
@@ -109,8 +110,8 @@ class Environment(Generic[B, E, W]):
         if not isinstance(ref, kind):
             raise InvalidInputError(
                 self.describe(call),
-                f"the name {ref!r} is a {type(ref).__name__}, not a {kind.__name__}",
-                f"pass a {kind.__name__}, e.g. one of the relay config's inputs",
+                f"the name {ref!r} is {a_type(ref)}, not {with_article(kind.__name__)}",
+                f"pass {with_article(kind.__name__)}, e.g. one of the relay config's inputs",
             )
 
     def lookup(self, call: Call, ref: BufferRef) -> B:

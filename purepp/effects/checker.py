@@ -30,7 +30,7 @@ from typing import Final, TextIO
 import attrs
 
 from purepp._checks import check_int
-from purepp._text import counted
+from purepp._text import a_type, counted
 from purepp.effects._converter import EFFECT_KINDS
 from purepp.effects.logfile import LogStream, as_path, check_same_run, log_paths
 from purepp.effects.logmodel import LogHeader
@@ -126,7 +126,7 @@ def check_log_dir(directory: str | os.PathLike[str], out: TextIO | None = None) 
     if out is not None and not callable(getattr(out, "write", None)):
         raise InvalidInputError(
             "check_log_dir",
-            f"out is a {type(out).__name__}, not a text stream",
+            f"out is {a_type(out)}, not a text stream",
             "pass a text stream such as sys.stderr or an io.StringIO, or None for stdout",
         )
     report = check_logs(directory)

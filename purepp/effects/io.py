@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from purepp._text import a_type, with_article
 from purepp.effects.arrays import IntArray
 from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.vocabulary import BufferRef, DType, TensorSpec
@@ -34,7 +35,7 @@ def _spec(call: str, ref: BufferRef, shape: tuple[int, ...], dtype: str) -> Tens
 def _expect_interpreter(call: str, interpreter: object, kind: type) -> None:
     if not isinstance(interpreter, kind):
         raise InvalidInputError(
-            call, f"interpreter is a {type(interpreter).__name__}", f"pass a {kind.__name__}"
+            call, f"interpreter is {a_type(interpreter)}", f"pass {with_article(kind.__name__)}"
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from purepp._checks import check_int
+from purepp._text import a_type
 from purepp.effects._converter import CONVERTER
 from purepp.effects.logfile import header_json, record_json
 from purepp.effects.logmodel import EffectLog, LogRecord
@@ -60,9 +61,7 @@ def diff_logs(expected: EffectLog, actual: EffectLog, *, context: int = 3) -> st
     """
     for name, log in (("expected", expected), ("actual", actual)):
         if not isinstance(log, EffectLog):
-            raise InvalidInputError(
-                "diff_logs", f"{name} is a {type(log).__name__}", "pass two EffectLogs"
-            )
+            raise InvalidInputError("diff_logs", f"{name} is {a_type(log)}", "pass two EffectLogs")
     context = check_int("diff_logs", "context", context, 0)
     if expected == actual:
         return None

@@ -33,6 +33,7 @@ import attrs
 import cattrs
 
 from purepp._checks import check_bool, check_int
+from purepp._text import a_type, with_article
 from purepp.effects._converter import (
     CONVERTER,
     EFFECT_CLASSES,
@@ -89,7 +90,7 @@ def as_path(call: str, name: str, value: object) -> Path:
     if not isinstance(value, str | os.PathLike):
         raise InvalidInputError(
             call,
-            f"{name}={value!r} is a {type(value).__name__}, not a path",
+            f"{name}={value!r} is {a_type(value)}, not a path",
             f"pass {name} as a str or a pathlib.Path",
         )
     return Path(value)
@@ -99,7 +100,7 @@ def check_world(call: str, expect_world: object) -> None:
     if expect_world is not None and not isinstance(expect_world, Layout):
         raise InvalidInputError(
             call,
-            f"expect_world is a {type(expect_world).__name__}",
+            f"expect_world is {a_type(expect_world)}",
             "pass the run's Layout(pp=..., dp=...), or None to accept any",
         )
 
@@ -107,7 +108,7 @@ def check_world(call: str, expect_world: object) -> None:
 def _expect(call: str, name: str, value: object, kind: type) -> None:
     if not isinstance(value, kind):
         raise InvalidInputError(
-            call, f"{name} is a {type(value).__name__}", f"pass a {kind.__name__}"
+            call, f"{name} is {a_type(value)}", f"pass {with_article(kind.__name__)}"
         )
 
 
@@ -173,7 +174,7 @@ def dump_log(log: EffectLog, path: str | os.PathLike[str]) -> None:
     """Write `log` to `path` as JSON Lines. Equal logs give byte-identical files."""
     if not isinstance(log, EffectLog):
         raise InvalidInputError(
-            "dump_log", f"log is a {type(log).__name__}", "pass an EffectLog (e.g. recorder.log)"
+            "dump_log", f"log is {a_type(log)}", "pass an EffectLog (e.g. recorder.log)"
         )
     _write_atomically("dump_log", as_path("dump_log", "path", path), _log_text(log))
 
@@ -188,7 +189,7 @@ def dump_logs(logs: Iterable[EffectLog], directory: str | os.PathLike[str]) -> t
     call = "dump_logs"
     if not isinstance(logs, Iterable) or isinstance(logs, str | bytes | EffectLog):
         raise InvalidInputError(
-            call, f"logs is a {type(logs).__name__}", "pass a sequence of EffectLogs, one per rank"
+            call, f"logs is {a_type(logs)}", "pass a sequence of EffectLogs, one per rank"
         )
     logs = tuple(logs)
     for index, log in enumerate(logs):

@@ -18,6 +18,7 @@ from typing import Final
 
 import attrs
 
+from purepp._text import a_type
 from purepp.effects._converter import (
     EFFECT_CLASSES,
     JSONObject,
@@ -91,7 +92,7 @@ class LogHeader:
         if not isinstance(self.world, Layout):
             raise ConfigError(
                 "LogHeader",
-                f"world is a {type(self.world).__name__}",
+                f"world is {a_type(self.world)}",
                 "pass the run's Layout(pp=..., dp=...)",
             )
         if type(self.rank) is not int or not 0 <= self.rank < self.world.world_size:
@@ -222,7 +223,7 @@ def _check_records(
 def _to_records(records: Iterable[LogRecord]) -> tuple[LogRecord, ...]:
     if not isinstance(records, Iterable):
         raise InvalidInputError(
-            "EffectLog", f"records is a {type(records).__name__}", "pass a tuple of LogRecords"
+            "EffectLog", f"records is {a_type(records)}", "pass a tuple of LogRecords"
         )
     return tuple(records)
 
@@ -230,7 +231,7 @@ def _to_records(records: Iterable[LogRecord]) -> tuple[LogRecord, ...]:
 def _check_header(instance: object, attribute: attrs.Attribute[LogHeader], value: object) -> None:
     if not isinstance(value, LogHeader):
         raise InvalidInputError(
-            "EffectLog", f"header is a {type(value).__name__}", "pass the rank's LogHeader"
+            "EffectLog", f"header is {a_type(value)}", "pass the rank's LogHeader"
         )
 
 
@@ -248,7 +249,7 @@ class EffectLog:
         if not isinstance(effects, Iterable):
             raise InvalidInputError(
                 "EffectLog.from_effects",
-                f"effects is a {type(effects).__name__}",
+                f"effects is {a_type(effects)}",
                 "pass a tuple of effects from purepp.effects.vocabulary",
             )
         return cls(header, tuple(numbering.number(effect) for effect in effects))

@@ -51,6 +51,7 @@ import numpy as np
 import numpy.typing as npt
 
 from purepp._checks import INT32_MAX, check_int
+from purepp._text import a_type
 from purepp.effects._environment import Environment, itemsize
 from purepp.effects.vocabulary import (
     Alias,
@@ -340,7 +341,7 @@ class NumpyInterpreter:
         ):
             raise ConfigError(
                 call,
-                f"port is a {type(port).__name__}, not a CollectivePort",
+                f"port is {a_type(port)}, not a CollectivePort",
                 "leave port out (a world of this rank alone), or pass the simulator's port",
             )
         self._rank = rank
@@ -420,14 +421,14 @@ class NumpyInterpreter:
         given: object = effects  # the annotation is a promise callers may break
         if type(given) is not tuple:
             if not isinstance(given, Iterable):
-                raise InvalidInputError(call, f"effects is a {type(given).__name__}", _EFFECTS_FIX)
+                raise InvalidInputError(call, f"effects is {a_type(given)}", _EFFECTS_FIX)
             given = tuple(given)
         batch = typing.cast(tuple[object, ...], given)
         # The whole batch first (a set lookup per effect), so a stranger issues nothing.
         for index, item in enumerate(batch):
             if type(item) not in _EFFECT_TYPES:
                 raise InvalidInputError(
-                    call, f"effects[{index}] is {item!r}, a {type(item).__name__}", _EFFECTS_FIX
+                    call, f"effects[{index}] is {item!r}, {a_type(item)}", _EFFECTS_FIX
                 )
         for effect in typing.cast(tuple[Effect, ...], batch):
             self.issue(effect)
@@ -541,7 +542,7 @@ class NumpyInterpreter:
             case _:  # a caller's garbage: refused before it changes anything
                 raise InvalidInputError(
                     "NumpyInterpreter.perform",
-                    f"{effect!r} is a {type(effect).__name__}, not an effect",
+                    f"{effect!r} is {a_type(effect)}, not an effect",
                     _EFFECTS_FIX,
                 )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+from purepp._text import a_type
 from purepp.effects._converter import EFFECT_CLASSES
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.logfile import as_path, header_json, record_lines
@@ -37,13 +38,11 @@ class Recorder:
         path: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(header, LogHeader):
-            raise InvalidInputError(
-                "Recorder", f"header is a {type(header).__name__}", "pass a LogHeader"
-            )
+            raise InvalidInputError("Recorder", f"header is {a_type(header)}", "pass a LogHeader")
         if inner is not None and not callable(getattr(inner, "perform", None)):
             raise InvalidInputError(
                 "Recorder",
-                f"inner is a {type(inner).__name__}, which has no perform method",
+                f"inner is {a_type(inner)}, which has no perform method",
                 "pass an Interpreter to forward the effects to, or None to only record",
             )
         self._header = header
@@ -77,7 +76,7 @@ class Recorder:
         if type(given) is not tuple:
             if not isinstance(given, Iterable) or isinstance(given, str | bytes):
                 raise InvalidInputError(
-                    "Recorder.perform", f"effects is a {type(given).__name__}", _EFFECTS_FIX
+                    "Recorder.perform", f"effects is {a_type(given)}", _EFFECTS_FIX
                 )
             effects = tuple(given)  # read twice below: a generator would record nothing
         for index, effect in enumerate(effects):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+from purepp._text import a_type
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.logmodel import EffectLog
 from purepp.errors import InvalidInputError
@@ -19,12 +20,12 @@ def replay(log: EffectLog, interpreter: Interpreter) -> None:
     """
     if not isinstance(log, EffectLog):
         raise InvalidInputError(
-            "replay", f"log is a {type(log).__name__}", "pass an EffectLog (e.g. from load_log)"
+            "replay", f"log is {a_type(log)}", "pass an EffectLog (e.g. from load_log)"
         )
     if not callable(getattr(interpreter, "perform", None)):
         raise InvalidInputError(
             "replay",
-            f"interpreter is a {type(interpreter).__name__}, which has no perform method",
+            f"interpreter is {a_type(interpreter)}, which has no perform method",
             "pass an Interpreter (e.g. a NumpyInterpreter, a TorchInterpreter or a Recorder)",
         )
     for _, records in itertools.groupby(log.records, key=lambda record: record.effect.step):

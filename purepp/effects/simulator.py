@@ -45,6 +45,7 @@ from typing import TypeAlias
 import attrs
 
 from purepp._checks import INT32_MAX, check_bool, check_int
+from purepp._text import a_type
 from purepp.effects.matching import (
     CollectiveReportError,
     DeadlockReport,
@@ -164,7 +165,7 @@ class _Simulation:
             except TypeError:
                 raise InvalidInputError(
                     _CALL,
-                    f"the program returned a {type(made).__name__} for rank {rank}",
+                    f"the program returned {a_type(made)} for rank {rank}",
                     "return an iterator of effect tuples (write the program as a generator)",
                 ) from None
             self._ranks.append(_Rank(context, steps))
@@ -372,13 +373,11 @@ def simulate(
     `HeaderMismatchError` when a relay header check fails.
     """
     if not isinstance(world, Layout):
-        raise ConfigError(
-            _CALL, f"world is a {type(world).__name__}", "pass a Layout(pp=..., dp=...)"
-        )
+        raise ConfigError(_CALL, f"world is {a_type(world)}", "pass a Layout(pp=..., dp=...)")
     if not callable(program):
         raise InvalidInputError(
             _CALL,
-            f"program is a {type(program).__name__}, not callable",
+            f"program is {a_type(program)}, not callable",
             "pass a function of a RankContext that returns the rank's effect tuples",
         )
     in_flight = world.pp if max_steps_in_flight is None else max_steps_in_flight

@@ -58,6 +58,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from purepp._checks import check_bool, check_int
+from purepp._text import a_type
 from purepp.effects._environment import Call, Environment, itemsize
 from purepp.effects.vocabulary import (
     Alias,
@@ -422,7 +423,7 @@ class TorchInterpreter:
         if not isinstance(device, torch.device):
             raise ConfigError(
                 call,
-                f"device={device!r} is a {type(device).__name__}",
+                f"device={device!r} is {a_type(device)}",
                 'pass a torch.device, e.g. torch.device("cpu") or torch.device("cuda", 0)',
             )
         rank = check_int(call, "rank", rank, 0, config=True)
@@ -433,14 +434,14 @@ class TorchInterpreter:
         if not isinstance(groups, Mapping):
             raise ConfigError(
                 call,
-                f"groups is a {type(groups).__name__}",
+                f"groups is {a_type(groups)}",
                 "pass a dict of Communicator to ProcessGroup (build_communicators returns it)",
             )
         for comm, group in groups.items():
             if not isinstance(comm, Communicator) or not isinstance(group, dist.ProcessGroup):
                 raise ConfigError(
                     call,
-                    f"groups maps {comm!r} to a {type(group).__name__}",
+                    f"groups maps {comm!r} to {a_type(group)}",
                     "map each Communicator to its ProcessGroup (build_communicators returns them)",
                 )
         if device.type not in ("cpu", "cuda"):
@@ -564,7 +565,7 @@ class TorchInterpreter:
         if not isinstance(tensor, torch.Tensor):
             raise InvalidInputError(
                 "TorchInterpreter.bind",
-                f"{ref.name!r} got a {type(tensor).__name__}, not a torch.Tensor",
+                f"{ref.name!r} got {a_type(tensor)}, not a torch.Tensor",
                 "bind torch tensors (torch.from_numpy(array) for a numpy array)",
             )
         self.env.buffers[ref] = tensor
@@ -744,7 +745,7 @@ class TorchInterpreter:
             case _:  # a caller's garbage, refused before any handler runs
                 raise InvalidInputError(
                     "TorchInterpreter.perform",
-                    f"{effect!r} is a {type(effect).__name__}, not an effect",
+                    f"{effect!r} is {a_type(effect)}, not an effect",
                     _EFFECTS_FIX,
                 )
 
@@ -1023,13 +1024,13 @@ def _refuse_non_effects(call: str, effects: object) -> None:
     check a whole tuple before performing any of it.
     """
     if not isinstance(effects, Iterable):
-        raise InvalidInputError(call, f"effects is a {type(effects).__name__}", _EFFECTS_FIX)
+        raise InvalidInputError(call, f"effects is {a_type(effects)}", _EFFECTS_FIX)
     if not isinstance(effects, Iterator):  # a collection, read again here
         for index, item in enumerate(effects):
             if not isinstance(item, Effect):
                 raise InvalidInputError(
                     call,
-                    f"effects[{index}] is {item!r}, a {type(item).__name__}, not an effect",
+                    f"effects[{index}] is {item!r}, {a_type(item)}, not an effect",
                     _EFFECTS_FIX,
                 )
 
