@@ -12,10 +12,17 @@ from typing import Any
 
 import numpy as np
 
-from purepp._text import a_type
+from purepp._text import a_type, with_article
 from purepp.errors import ConfigError, InvalidInputError
 
-__all__ = ["INT32_MAX", "check_bool", "check_int", "check_optional_int", "store_ints"]
+__all__ = [
+    "INT32_MAX",
+    "check_bool",
+    "check_instance",
+    "check_int",
+    "check_optional_int",
+    "store_ints",
+]
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -75,6 +82,14 @@ def check_bool(call: str, name: str, value: Any, *, config: bool = False) -> boo
         return bool(value)
     error = ConfigError if config else InvalidInputError
     raise error(call, f"{name}={value!r} is {a_type(value)}", f"pass {name} as a bool")
+
+
+def check_instance(call: str, name: str, value: object, kind: type) -> None:
+    """Refuse `value` unless it is a `kind`, naming what it is instead."""
+    if not isinstance(value, kind):
+        raise InvalidInputError(
+            call, f"{name} is {a_type(value)}", f"pass {with_article(kind.__name__)}"
+        )
 
 
 def store_ints(instance: object, **values: int | None) -> None:

@@ -40,8 +40,8 @@ import numpy as np
 import numpy.typing as npt
 
 from purepp import dp
-from purepp._checks import INT32_MAX, check_int
-from purepp._text import a_type, with_article
+from purepp._checks import INT32_MAX, check_instance, check_int
+from purepp._text import a_type
 from purepp.batch import BatchFacts, need_sampled_mask
 from purepp.cudagraph import BatchExecutionDescriptor, CaptureMode, CudaGraphDispatcher
 from purepp.effects.arrays import ARRAY_EQ, IntArray, arrays_equal, int32_array, readonly
@@ -408,13 +408,6 @@ class _ReplicaPlanner:
         )
 
 
-def _expect(call: str, name: str, value: object, kind: type) -> None:
-    if not isinstance(value, kind):
-        raise InvalidInputError(
-            call, f"{name} is {a_type(value)}", f"pass {with_article(kind.__name__)}"
-        )
-
-
 def _expect_steps_for(call: str, steps_for: object) -> None:
     if not callable(steps_for):
         raise InvalidInputError(
@@ -426,7 +419,7 @@ def _expect_steps_for(call: str, steps_for: object) -> None:
 
 def make_schedule(config: ScheduleConfig) -> Schedule:
     """The schedule `config` describes: equal configs give equal schedules, anywhere."""
-    _expect("make_schedule", "config", config, ScheduleConfig)
+    check_instance("make_schedule", "config", config, ScheduleConfig)
     planners = [_ReplicaPlanner(config, replica) for replica in range(config.dp)]
     steps = tuple(tuple(planner.plan(step) for planner in planners) for step in range(config.steps))
     return Schedule(config=config, steps=steps)
@@ -487,7 +480,7 @@ class TorchTensors:
     def __init__(self, interpreter: TorchInterpreter) -> None:
         from purepp.effects.torch_interpreter import TorchInterpreter  # torch only when used
 
-        _expect("TorchTensors", "interpreter", interpreter, TorchInterpreter)
+        check_instance("TorchTensors", "interpreter", interpreter, TorchInterpreter)
         self._interpreter = interpreter
 
     def bind(self, ref: BufferRef, value: npt.NDArray[Any], /) -> None:
@@ -522,7 +515,7 @@ class RecordingTensors:
     """
 
     def __init__(self, schedule: Schedule) -> None:
-        _expect("RecordingTensors", "schedule", schedule, Schedule)
+        check_instance("RecordingTensors", "schedule", schedule, Schedule)
         self._schedule = schedule
         self._specs: dict[BufferRef, TensorSpec] = {}
 
@@ -546,7 +539,7 @@ class RecordingTensors:
 
 def reduced_agreement_table(schedule: Schedule, step: int) -> IntArray:
     """The reduced DP table of `step`: every replica's contribution, summed."""
-    _expect("reduced_agreement_table", "schedule", schedule, Schedule)
+    check_instance("reduced_agreement_table", "schedule", schedule, Schedule)
     dispatcher = schedule.dispatcher()
     columns = []
     for replica in range(schedule.config.dp):
@@ -576,7 +569,7 @@ RankEffects: TypeAlias = Generator[tuple[Effect, ...], None, RankOutputs]
 
 def rank_config(schedule: Schedule, rank: int) -> RankConfig:
     """Rank `rank`'s configuration of the rank step in the schedule's world."""
-    _expect("rank_config", "schedule", schedule, Schedule)
+    check_instance("rank_config", "schedule", schedule, Schedule)
     return RankConfig(
         relay=schedule.relay_config(rank),
         group=schedule.agreement_group(schedule.world.dp_index(rank)),
@@ -651,7 +644,7 @@ def _read_consumed(
 
 
 def _check_rank(call: str, schedule: Schedule, rank: int) -> None:
-    _expect(call, "schedule", schedule, Schedule)
+    check_instance(call, "schedule", schedule, Schedule)
     size = schedule.world.world_size
     if type(rank) is not int or not 0 <= rank < size:
         raise InvalidInputError(
@@ -701,7 +694,7 @@ def scripted_program(
 
     `steps_for(rank)` picks the pure steps of each rank (a broken variant, in tests).
     """
-    _expect("scripted_program", "schedule", schedule, Schedule)
+    check_instance("scripted_program", "schedule", schedule, Schedule)
     _expect_steps_for("scripted_program", steps_for)
 
     def program(context: RankContext) -> Iterator[tuple[Effect, ...]]:
@@ -741,7 +734,7 @@ def simulate_schedule(
     overrun the ring, and `HeaderMismatchError` when a relay header check fails (see
     `purepp.effects.simulator.simulate`, also for `compare_steps`).
     """
-    _expect("simulate_schedule", "schedule", schedule, Schedule)
+    check_instance("simulate_schedule", "schedule", schedule, Schedule)
     _expect_steps_for("simulate_schedule", steps_for)
     outputs: dict[int, RankOutputs] = {}
     result = simulate(
@@ -770,7 +763,7 @@ def _written(field: attrs.Attribute[Any], value: object) -> bool:
 
 def scripted_header(schedule: Schedule, rank: int) -> LogHeader:
     """The log header of rank `rank` of a scripted run: the schedule's config as JSON."""
-    _expect("scripted_header", "schedule", schedule, Schedule)
+    check_instance("scripted_header", "schedule", schedule, Schedule)
     config = schedule.config
     return LogHeader(
         rank=rank,
@@ -795,9 +788,9 @@ def run_scripted_rank(
     from purepp.effects.torch_interpreter import TorchInterpreter  # torch only when used
 
     call = "run_scripted_rank"
-    _expect(call, "interpreter", interpreter, TorchInterpreter)
-    _expect(call, "world", world, Layout)
-    _expect(call, "schedule", schedule, Schedule)
+    check_instance(call, "interpreter", interpreter, TorchInterpreter)
+    check_instance(call, "world", world, Layout)
+    check_instance(call, "schedule", schedule, Schedule)
     if world != schedule.world:
         raise ConfigError(
             call,
@@ -829,7 +822,7 @@ def record_scripted_logs(
     schedule: Schedule, *, steps_for: Callable[[int], RankSteps] = _real_steps
 ) -> tuple[EffectLog, ...]:
     """Every rank's effect log, recorded rank by rank without performing anything."""
-    _expect("record_scripted_logs", "schedule", schedule, Schedule)
+    check_instance("record_scripted_logs", "schedule", schedule, Schedule)
     _expect_steps_for("record_scripted_logs", steps_for)
     return tuple(
         record_scripted_rank(schedule, rank, steps_for(rank))

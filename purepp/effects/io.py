@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from purepp._text import a_type, with_article
+from purepp._checks import check_instance
 from purepp.effects.arrays import IntArray
 from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.vocabulary import BufferRef, DType, TensorSpec
@@ -32,13 +32,6 @@ def _spec(call: str, ref: BufferRef, shape: tuple[int, ...], dtype: str) -> Tens
     return TensorSpec(shape=shape, dtype=kind)
 
 
-def _expect_interpreter(call: str, interpreter: object, kind: type) -> None:
-    if not isinstance(interpreter, kind):
-        raise InvalidInputError(
-            call, f"interpreter is {a_type(interpreter)}", f"pass {with_article(kind.__name__)}"
-        )
-
-
 def _host_int32(call: str, values: object) -> npt.NDArray[Any]:
     """`values` when it is a host int32 array (a slot mapping); a typed error otherwise."""
     if not isinstance(values, np.ndarray) or values.dtype != np.int32:
@@ -53,7 +46,7 @@ class NumpyIO:
     """Caller arrays bound in a `NumpyInterpreter` (the simulator's ranks, CPU tests)."""
 
     def __init__(self, interpreter: NumpyInterpreter) -> None:
-        _expect_interpreter("NumpyIO", interpreter, NumpyInterpreter)
+        check_instance("NumpyIO", "interpreter", interpreter, NumpyInterpreter)
         self.interpreter = interpreter
 
     def bind(self, ref: BufferRef, value: npt.NDArray[Any], /) -> None:
@@ -77,7 +70,7 @@ class TorchIO:
     def __init__(self, interpreter: TorchInterpreter) -> None:
         from purepp.effects.torch_interpreter import TorchInterpreter  # torch only when used
 
-        _expect_interpreter("TorchIO", interpreter, TorchInterpreter)
+        check_instance("TorchIO", "interpreter", interpreter, TorchInterpreter)
         self.interpreter = interpreter
 
     def bind(self, ref: BufferRef, value: torch.Tensor, /) -> None:

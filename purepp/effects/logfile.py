@@ -32,8 +32,8 @@ from typing import Any, BinaryIO, Final
 import attrs
 import cattrs
 
-from purepp._checks import check_bool, check_int
-from purepp._text import a_type, with_article
+from purepp._checks import check_bool, check_instance, check_int
+from purepp._text import a_type
 from purepp.effects._converter import (
     CONVERTER,
     EFFECT_CLASSES,
@@ -105,16 +105,9 @@ def check_world(call: str, expect_world: object) -> None:
         )
 
 
-def _expect(call: str, name: str, value: object, kind: type) -> None:
-    if not isinstance(value, kind):
-        raise InvalidInputError(
-            call, f"{name} is {a_type(value)}", f"pass {with_article(kind.__name__)}"
-        )
-
-
 def header_json(header: LogHeader) -> str:
     """The header's line as written in a log file (without the newline)."""
-    _expect("header_json", "header", header, LogHeader)
+    check_instance("header_json", "header", header, LogHeader)
     fields = CONVERTER.unstructure(header, LogHeader)
     for key in _OPTIONAL_HEADER_KEYS:
         if fields[key] is None:
@@ -124,7 +117,7 @@ def header_json(header: LogHeader) -> str:
 
 def record_json(record: LogRecord) -> str:
     """A record's line as written in a log file (without the newline)."""
-    _expect("record_json", "record", record, LogRecord)
+    check_instance("record_json", "record", record, LogRecord)
     return _dumps(CONVERTER.unstructure(record, LogRecord))
 
 
@@ -193,7 +186,7 @@ def dump_logs(logs: Iterable[EffectLog], directory: str | os.PathLike[str]) -> t
         )
     logs = tuple(logs)
     for index, log in enumerate(logs):
-        _expect(call, f"logs[{index}]", log, EffectLog)
+        check_instance(call, f"logs[{index}]", log, EffectLog)
     folder = as_path(call, "directory", directory)
     ranks = [log.header.rank for log in logs]
     duplicates = sorted({rank for rank in ranks if ranks.count(rank) > 1})
