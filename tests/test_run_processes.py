@@ -254,10 +254,13 @@ def test_logs_carry_the_run_id_and_a_second_run_is_refused(tmp_path: Path, runs:
 
 
 def test_torchrun_runs_the_same_job(tmp_path: Path) -> None:
+    """With logs in a folder no launcher made: each rank makes it, and they check."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     worker = ["-m", "purepp.runner.worker", "--pp", "2", "--dp", "1", "--requests", "6"]
+    logs = tmp_path / "runs" / "logs"
+    outputs = ["--out", str(tmp_path), "--verdict", "--log-dir", str(logs)]
     result = subprocess.run(
-        [*torchrun, "--nproc-per-node", "2", *worker, "--out", str(tmp_path), "--verdict"],
+        [*torchrun, "--nproc-per-node", "2", *worker, *outputs],
         capture_output=True,
         text=True,
         timeout=240,
@@ -266,3 +269,8 @@ def test_torchrun_runs_the_same_job(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "parity           OK" in result.stdout
     assert (tmp_path / "results.json").exists()
+    assert sorted(p.name for p in logs.iterdir()) == ["rank-0000.jsonl", "rank-0001.jsonl"]
+    checked = subprocess.run(
+        [*PUREPP, "check", str(logs)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert checked.returncode == Exit.OK, checked.stdout + checked.stderr

@@ -175,6 +175,27 @@ def test_bad_options_exit_with_the_usage_code_before_anything_starts(
     assert list(tmp_path.iterdir()) == []  # no heartbeat either
 
 
+def test_a_rank_refuses_a_log_folder_or_trace_it_cannot_write(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under torchrun no launcher probed `--log-dir` or `--trace`: each rank does."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    _failing_with(monkeypatch, AssertionError("a refused rank must not run"))
+    for option, value in (("--log-dir", blocker / "logs"), ("--trace", blocker / "t.json")):
+        assert worker.main([option, str(value)]) == Exit.USAGE
+        err = capsys.readouterr().err
+        assert err.startswith(f"python -m purepp.runner.worker: {option} "), err
+        assert "is a file, not a folder" in err
+
+
+def test_a_rank_makes_its_log_folder(calls: list[dict[str, object]], tmp_path: Path) -> None:
+    nested = tmp_path / "runs" / "logs"
+    assert worker.main(["--log-dir", str(nested)]) == Exit.OK
+    assert nested.is_dir()
+    assert [call["log_dir"] for call in calls] == [str(nested)]
+
+
 def test_a_rank_whose_launcher_is_gone_exits_whatever_it_is_doing(tmp_path: Path) -> None:
     """The backstop for the parent-death signal: the rank watches its parent itself.
     This one waits in the rendezvous for a peer that never comes (for 300 s)."""

@@ -25,6 +25,8 @@ from purepp.runner.options import (
     OptionParser,
     UsageError,
     add_run_options,
+    check_log_dir,
+    check_trace,
     settings_from_args,
 )
 from purepp.runner.progress import (
@@ -113,6 +115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         settings = settings_from_args(args, call=parser.prog)
+        # Under torchrun no launcher made or probed these: each rank does (idempotent).
+        if args.log_dir is not None:
+            check_log_dir(args.log_dir, call=parser.prog)
+        if args.trace is not None:
+            check_trace(args.trace, call=parser.prog)
     except UsageError as error:
         print(error, file=sys.stderr)
         return Exit.USAGE
