@@ -380,12 +380,14 @@ def simulate(
             f"program is {a_type(program)}, not callable",
             "pass a function of a RankContext that returns the rank's effect tuples",
         )
-    in_flight = world.pp if max_steps_in_flight is None else max_steps_in_flight
-    if type(in_flight) is int and in_flight < 1:
-        raise ConfigError(
-            _CALL, f"max_steps_in_flight={in_flight}", "allow at least one step in flight"
-        )
-    in_flight = check_int(_CALL, "max_steps_in_flight", in_flight, 1, config=True)
+    in_flight = check_int(
+        _CALL,
+        "max_steps_in_flight",
+        world.pp if max_steps_in_flight is None else max_steps_in_flight,
+        1,
+        fix="allow at least one step in flight (an int)",
+        config=True,
+    )
     fill = check_int(_CALL, "fill", fill, -INT32_MAX - 1, config=True)
     compare_steps = check_bool(_CALL, "compare_steps", compare_steps, config=True)
     return _Simulation(
