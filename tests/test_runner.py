@@ -158,6 +158,10 @@ def test_parity_verdict_reports_the_first_difference() -> None:
     ok = check_parity({0: [1, 2, 3], 1: [4, 5]}, frozenset({0}), reference)
     assert ok.ok
     assert (ok.exact, ok.prefixes) == (1, 1)
+    assert ok.render() == (
+        "OK: 5 tokens compared; 1 request finished in both runs matches token for token; "
+        "1 aborted or unfinished one agrees as far as both got"
+    )
     bad = check_parity({0: [1, 2, 3], 1: [4, 9]}, frozenset({0}), reference)
     assert bad.mismatch is not None
     assert (bad.mismatch.request_id, bad.mismatch.position) == (1, 1)

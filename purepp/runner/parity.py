@@ -55,11 +55,12 @@ class ParityVerdict:
                 "NOTHING COMPARED: no request has an output token in both runs, so parity "
                 "is unknown; raise --steps (0 runs every request to the end) or --requests"
             )
+        exact = "matches" if self.exact == 1 else "match"
+        prefixes = "one agrees" if self.prefixes == 1 else "ones agree"
         return (
             f"OK: {counted(self.compared, 'token')} compared; "
-            f"{counted(self.exact, 'request')} finished in both runs match token for token; "
-            f"{self.prefixes} aborted or unfinished ones agree "
-            "as far as both got"
+            f"{counted(self.exact, 'request')} finished in both runs {exact} token for token; "
+            f"{self.prefixes} aborted or unfinished {prefixes} as far as both got"
         )
 
 
