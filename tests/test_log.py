@@ -773,7 +773,22 @@ def test_the_diff_shows_a_differing_header() -> None:
             "effect log headers differ (file line 1):",
             f"  - expected: {header_json(HEADER)}",
             f"  + actual:   {header_json(other.header)}",
+            "  fields that differ: rank",
         ]
+    )
+
+
+def test_the_header_diff_names_each_config_key_and_the_run_fields_that_differ() -> None:
+    run = LogHeader.for_run(
+        rank=1, world=HEADER.world, config={"model": "toy", "seed": 0}, run_id="a"
+    )
+    other = LogHeader.for_run(
+        rank=1, world=HEADER.world, config={"model": "toy", "seed": 1, "spec": 2}, run_id="b"
+    )
+    report = diff_logs(EffectLog(run, SAMPLE.records), EffectLog(other, SAMPLE.records))
+    assert report is not None
+    assert report.splitlines()[-1] == (
+        "  fields that differ: config.seed, config.spec, run_id, config_digest"
     )
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 from purepp._checks import check_int
 from purepp._text import a_type
 from purepp.effects._converter import CONVERTER
 from purepp.effects.logfile import header_json, record_json
-from purepp.effects.logmodel import EffectLog, LogRecord
+from purepp.effects.logmodel import EffectLog, LogHeader, LogRecord
 from purepp.errors import InvalidInputError
 
 __all__ = ["assert_logs_equal", "diff_logs"]
@@ -21,6 +23,22 @@ def _differing_fields(expected: LogRecord, actual: LogRecord) -> list[str]:
     return fields + [
         f"effect.{key}" for key in want["effect"] if want["effect"][key] != got["effect"][key]
     ]
+
+
+def _differing_header_fields(expected: LogHeader, actual: LogHeader) -> list[str]:
+    """The header keys that differ as written, the config's one by one ("config.seed")."""
+    want, got = json.loads(header_json(expected)), json.loads(header_json(actual))
+    fields: list[str] = []
+    for key in dict.fromkeys([*want, *got]):
+        mine, theirs = want.get(key), got.get(key)
+        if mine == theirs:
+            continue
+        if key == "config" and isinstance(mine, dict) and isinstance(theirs, dict):
+            names = dict.fromkeys([*mine, *theirs])
+            fields += [f"config.{name}" for name in names if mine.get(name) != theirs.get(name)]
+        else:
+            fields.append(key)
+    return fields
 
 
 def _diff_records(expected: EffectLog, actual: EffectLog, context: int) -> list[str]:
@@ -71,6 +89,8 @@ def diff_logs(expected: EffectLog, actual: EffectLog, *, context: int = 3) -> st
             "effect log headers differ (file line 1):",
             f"  - expected: {header_json(expected.header)}",
             f"  + actual:   {header_json(actual.header)}",
+            "  fields that differ: "
+            + ", ".join(_differing_header_fields(expected.header, actual.header)),
         ]
     return "\n".join(text + _diff_records(expected, actual, context))
 
