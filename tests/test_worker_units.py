@@ -152,6 +152,19 @@ def test_a_failing_rank_says_it_is_leaving_before_it_exits(
     assert capsys.readouterr().err.startswith("purepp: rank 1: recv: rank 0 went silent")
 
 
+def test_a_rank_that_succeeded_says_it_is_leaving_too(
+    calls: list[dict[str, object]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Torch's teardown can hold the interpreter past a short --timeout: the launcher must
+    not take a finished rank's exit for a freeze."""
+    main, beat_path = _main_with_beat(monkeypatch, tmp_path, rank=0)
+    assert main() == RankExit.OK
+    assert len(calls) == 1
+    beat = read_beat(beat_path)
+    assert beat is not None
+    assert beat.leaving
+
+
 def test_a_rank_interrupted_or_crashing_says_it_is_leaving_too(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -56,7 +56,7 @@ class Beat:
     done: int  # steps finished
     total: int  # steps the rank runs
     count: int  # beats written so far; stops advancing when the process does
-    leaving: bool = False  # the rank failed and is exiting: no longer a sign of life
+    leaving: bool = False  # the rank is exiting (done or failed): no longer a sign of life
 
 
 def write_beat(path: Path, beat: Beat) -> None:
@@ -110,8 +110,8 @@ class Heartbeat:
         self.step_done(self._total)
 
     def leaving(self) -> None:
-        """The rank failed and exits: say so and stop beating, so the launcher does not
-        take the silence of its shutdown for a freeze."""
+        """The rank exits (done or failed): say so and stop beating, so the launcher does
+        not take the silence of its shutdown for a freeze."""
         self._leaving = True
         self.stop()
 

@@ -130,13 +130,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parent_pid=int(parent) if parent and parent.isdigit() else None,
     ).start()
     try:
-        code = _run(args, settings, rank, heartbeat)
-    except BaseException:
+        return _run(args, settings, rank, heartbeat)
+    finally:
+        # Done or failed, the process exits now: the silence of its shutdown (torch's
+        # teardown can hold the interpreter for a second) is no freeze.
         heartbeat.leaving()
-        raise
-    if code != RankExit.OK:
-        heartbeat.leaving()
-    return code
 
 
 def _run(args: argparse.Namespace, settings: RunSettings, rank: int, heartbeat: Heartbeat) -> int:
