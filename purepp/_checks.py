@@ -20,6 +20,7 @@ __all__ = [
     "check_bool",
     "check_instance",
     "check_int",
+    "check_interpreter",
     "check_optional_int",
     "store_ints",
 ]
@@ -84,11 +85,25 @@ def check_bool(call: str, name: str, value: Any, *, config: bool = False) -> boo
     raise error(call, f"{name}={value!r} is {a_type(value)}", f"pass {name} as a bool")
 
 
-def check_instance(call: str, name: str, value: object, kind: type) -> None:
+def check_instance(call: str, name: str, value: object, kind: type, *, fix: str = "") -> None:
     """Refuse `value` unless it is a `kind`, naming what it is instead."""
     if not isinstance(value, kind):
         raise InvalidInputError(
-            call, f"{name} is {a_type(value)}", f"pass {with_article(kind.__name__)}"
+            call, f"{name} is {a_type(value)}", fix or f"pass {with_article(kind.__name__)}"
+        )
+
+
+def check_interpreter(
+    call: str,
+    name: str,
+    value: object,
+    *,
+    fix: str = "pass an Interpreter (e.g. a NumpyInterpreter or a TorchInterpreter)",
+) -> None:
+    """Refuse `value` unless it has the interpreters' one method, `perform`."""
+    if not callable(getattr(value, "perform", None)):
+        raise InvalidInputError(
+            call, f"{name} is {a_type(value)}, which has no perform method", fix
         )
 
 

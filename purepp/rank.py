@@ -45,6 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from purepp import dp
+from purepp._checks import check_instance, check_interpreter
 from purepp._text import a_type
 from purepp.batch import BatchFacts
 from purepp.cudagraph import BatchExecutionDescriptor, Dispatcher
@@ -263,10 +264,7 @@ class Sampled(Generic[T]):
 
 def _expect(call: str, name: str, value: object, kind: type) -> None:
     """The phases' boundary check: each takes only the value the one before returned."""
-    if type(value) is not kind:
-        raise InvalidInputError(
-            call, f"{name} is {a_type(value)}", f"pass the {kind.__name__} it expects"
-        )
+    check_instance(call, name, value, kind, fix=f"pass the {kind.__name__} it expects")
     fields = _FIELDS.get(kind)
     if fields is not None:
         _expect_fields(call, name, value, fields)
@@ -699,13 +697,8 @@ def perform_phase(phase: StepPhase[R], interpreter: Interpreter) -> R:
                 try:
                     interpreter.perform(effects)
                 except AttributeError:  # the error path only: no cost per step
-                    if callable(getattr(interpreter, "perform", None)):
-                        raise
-                    raise InvalidInputError(
-                        "perform_phase",
-                        f"interpreter is {a_type(interpreter)}, which has no perform",
-                        "pass an Interpreter (e.g. a NumpyInterpreter or a TorchInterpreter)",
-                    ) from None
+                    check_interpreter("perform_phase", "interpreter", interpreter)
+                    raise
             effects = phase.send(None)
     except StopIteration as done:
         answer: R = done.value
@@ -740,12 +733,7 @@ class RankDriver(Generic[T]):
     ) -> None:
         # Checked here, so a wrong one fails at construction and not mid-step.
         _expect("RankDriver", "config", config, RankConfig)
-        if not callable(getattr(interpreter, "perform", None)):
-            raise InvalidInputError(
-                "RankDriver",
-                f"interpreter is {a_type(interpreter)}, which has no perform method",
-                "pass an Interpreter (e.g. a NumpyInterpreter or a TorchInterpreter)",
-            )
+        check_interpreter("RankDriver", "interpreter", interpreter)
         _expect_io("RankDriver", io)
         _expect_steps("RankDriver", steps)
         self.config = config

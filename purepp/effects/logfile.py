@@ -68,6 +68,7 @@ __all__ = [
     "load_logs",
     "log_file_name",
     "log_paths",
+    "os_reason",
     "record_json",
     "record_lines",
 ]
@@ -141,7 +142,7 @@ def _log_text(log: EffectLog) -> str:
     return header_json(log.header) + "\n" + "".join(record_lines("dump_log", log.records, 0))
 
 
-def _reason(error: OSError | ValueError) -> str:
+def os_reason(error: OSError | ValueError) -> str:
     """What an OSError says (its strerror), or the ValueError of a path holding a NUL."""
     return (error.strerror if isinstance(error, OSError) else None) or str(error)
 
@@ -159,7 +160,7 @@ def _write_atomically(call: str, path: Path, text: str) -> None:
         with contextlib.suppress(OSError, ValueError):
             partial.unlink(missing_ok=True)  # a failed write leaves no file behind
         raise InvalidInputError(
-            call, f"{str(path)!r} cannot be written ({_reason(error)})", fix
+            call, f"{str(path)!r} cannot be written ({os_reason(error)})", fix
         ) from error
 
 
@@ -199,7 +200,7 @@ def dump_logs(logs: Iterable[EffectLog], directory: str | os.PathLike[str]) -> t
     except (OSError, ValueError) as error:  # ValueError: a NUL in the path
         raise InvalidInputError(
             call,
-            f"directory {str(folder)!r} cannot be made ({_reason(error)})",
+            f"directory {str(folder)!r} cannot be made ({os_reason(error)})",
             "pass a folder path (existing or not) under a folder this process may write to",
         ) from error
     paths = tuple(folder / log_file_name(rank) for rank in ranks)
@@ -448,7 +449,7 @@ class LogStream:
             self._file: BinaryIO | None = self.path.open("rb")
         except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
             raise self._fail(
-                None, f"cannot be read ({_reason(exc)})", "pass an existing log file"
+                None, f"cannot be read ({os_reason(exc)})", "pass an existing log file"
             ) from exc
         try:
             self.header = self._read_header(expect_world)
@@ -756,7 +757,7 @@ def log_paths(directory: str | os.PathLike[str]) -> tuple[Path, ...]:
     except (OSError, ValueError) as error:  # a name too long, a NUL in the path
         raise _dir_fail(
             directory,
-            f"cannot be read ({_reason(error)})",
+            f"cannot be read ({os_reason(error)})",
             "pass the directory the ranks' logs were written to",
         ) from error
     if not paths:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+from purepp._checks import check_interpreter
 from purepp._text import a_type
 from purepp.effects._converter import EFFECT_CLASSES
 from purepp.effects.interpreter import Interpreter
-from purepp.effects.logfile import as_path, header_json, record_lines
+from purepp.effects.logfile import as_path, header_json, os_reason, record_lines
 from purepp.effects.logmodel import EffectLog, LogHeader, LogRecord, Numbering
 from purepp.effects.vocabulary import Effect
 from purepp.errors import InvalidInputError
@@ -39,11 +40,12 @@ class Recorder:
     ) -> None:
         if not isinstance(header, LogHeader):
             raise InvalidInputError("Recorder", f"header is {a_type(header)}", "pass a LogHeader")
-        if inner is not None and not callable(getattr(inner, "perform", None)):
-            raise InvalidInputError(
+        if inner is not None:
+            check_interpreter(
                 "Recorder",
-                f"inner is {a_type(inner)}, which has no perform method",
-                "pass an Interpreter to forward the effects to, or None to only record",
+                "inner",
+                inner,
+                fix="pass an Interpreter to forward the effects to, or None to only record",
             )
         self._header = header
         self._inner = inner
@@ -56,8 +58,7 @@ class Recorder:
             except (OSError, ValueError) as error:  # ValueError: a NUL in the path
                 raise InvalidInputError(
                     "Recorder",
-                    f"path={str(path)!r} cannot be written "
-                    f"({getattr(error, 'strerror', None) or error})",
+                    f"path={str(path)!r} cannot be written ({os_reason(error)})",
                     "pass a file path in an existing folder this process may write to",
                 ) from error
 

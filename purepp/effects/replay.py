@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+from purepp._checks import check_interpreter
 from purepp._text import a_type
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.logmodel import EffectLog
@@ -22,11 +23,11 @@ def replay(log: EffectLog, interpreter: Interpreter) -> None:
         raise InvalidInputError(
             "replay", f"log is {a_type(log)}", "pass an EffectLog (e.g. from load_log)"
         )
-    if not callable(getattr(interpreter, "perform", None)):
-        raise InvalidInputError(
-            "replay",
-            f"interpreter is {a_type(interpreter)}, which has no perform method",
-            "pass an Interpreter (e.g. a NumpyInterpreter, a TorchInterpreter or a Recorder)",
-        )
+    check_interpreter(
+        "replay",
+        "interpreter",
+        interpreter,
+        fix="pass an Interpreter (e.g. a NumpyInterpreter, a TorchInterpreter or a Recorder)",
+    )
     for _, records in itertools.groupby(log.records, key=lambda record: record.effect.step):
         interpreter.perform(tuple(record.effect for record in records))
