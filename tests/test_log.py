@@ -680,7 +680,7 @@ def test_the_recorder_rejects_a_non_effect_and_records_nothing(tmp_path: Path) -
     inner = BatchCollector()
     recorder = Recorder(HEADER, inner, path=tmp_path / "rank.jsonl")
     bad = (relay_broadcast(0), "broadcast")
-    with pytest.raises(InvalidInputError, match=r"effects\[1\] is 'broadcast', not an effect"):
+    with pytest.raises(InvalidInputError, match=r"effects\[1\] is 'broadcast', a str"):
         recorder.perform(bad)  # type: ignore[arg-type]
     assert recorder.log == EffectLog(HEADER, ())
     assert inner.batches == []

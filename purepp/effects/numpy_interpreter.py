@@ -54,6 +54,7 @@ from purepp._checks import INT32_MAX, check_int
 from purepp._text import a_type
 from purepp.effects._environment import Environment, itemsize
 from purepp.effects.vocabulary import (
+    EFFECTS_FIX,
     Alias,
     Allocate,
     AllReduce,
@@ -82,6 +83,7 @@ from purepp.effects.vocabulary import (
     WaitStream,
     WaitWork,
     WorkRef,
+    effect_batch,
 )
 from purepp.errors import ConfigError, HeaderMismatchError, InterpreterError, InvalidInputError
 
@@ -101,9 +103,7 @@ __all__ = [
 # and not -1, which index buffers use for "skip this row".
 POISON: Final = -0x0BADF00D
 
-_EFFECT_TYPES: Final = frozenset(typing.get_args(Effect))
 _BIND_FIX = "bind int64 or int32 arrays"
-_EFFECTS_FIX = "pass a tuple of effects from purepp.effects.vocabulary (what a pure step returns)"
 
 Array: TypeAlias = npt.NDArray[Any]
 
@@ -418,19 +418,8 @@ class NumpyInterpreter:
     def perform(self, effects: Iterable[Effect], /) -> None:
         """Perform `effects` in order; raise if the host would block (a peer is needed)."""
         call = "NumpyInterpreter.perform"
-        given: object = effects  # the annotation is a promise callers may break
-        if type(given) is not tuple:
-            if not isinstance(given, Iterable):
-                raise InvalidInputError(call, f"effects is {a_type(given)}", _EFFECTS_FIX)
-            given = tuple(given)
-        batch = typing.cast(tuple[object, ...], given)
-        # The whole batch first (a set lookup per effect), so a stranger issues nothing.
-        for index, item in enumerate(batch):
-            if type(item) not in _EFFECT_TYPES:
-                raise InvalidInputError(
-                    call, f"effects[{index}] is {item!r}, {a_type(item)}", _EFFECTS_FIX
-                )
-        for effect in typing.cast(tuple[Effect, ...], batch):
+        batch = effect_batch(call, effects)  # whole, so a stranger issues nothing
+        for effect in batch:
             self.issue(effect)
             if self.host_blocked():
                 stall = self.stalls()[0]
@@ -543,7 +532,7 @@ class NumpyInterpreter:
                 raise InvalidInputError(
                     "NumpyInterpreter.perform",
                     f"{effect!r} is {a_type(effect)}, not an effect",
-                    _EFFECTS_FIX,
+                    EFFECTS_FIX,
                 )
 
     # ---- environment helpers -------------------------------------------------------------

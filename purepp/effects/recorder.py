@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 
 from purepp._checks import check_interpreter
 from purepp._text import a_type
-from purepp.effects._converter import EFFECT_CLASSES
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.logfile import as_path, header_json, os_reason, record_lines
 from purepp.effects.logmodel import EffectLog, LogHeader, LogRecord, Numbering
-from purepp.effects.vocabulary import Effect
+from purepp.effects.vocabulary import Effect, effect_batch
 from purepp.errors import InvalidInputError
 
 __all__ = ["Recorder"]
-
-_EFFECTS_FIX = "pass a tuple of effects from purepp.effects.vocabulary"
 
 
 class Recorder:
@@ -73,20 +69,7 @@ class Recorder:
 
     def perform(self, effects: tuple[Effect, ...], /) -> None:
         """Record `effects` in order, then have the inner interpreter perform them."""
-        given: object = effects  # the annotation is a promise callers may break
-        if type(given) is not tuple:
-            if not isinstance(given, Iterable) or isinstance(given, str | bytes):
-                raise InvalidInputError(
-                    "Recorder.perform", f"effects is {a_type(given)}", _EFFECTS_FIX
-                )
-            effects = tuple(given)  # read twice below: a generator would record nothing
-        for index, effect in enumerate(effects):
-            if not isinstance(effect, EFFECT_CLASSES):
-                raise InvalidInputError(
-                    "Recorder.perform",
-                    f"effects[{index}] is {effect!r}, not an effect",
-                    _EFFECTS_FIX,
-                )
+        effects = effect_batch("Recorder.perform", effects)  # read twice: a generator too
         # Numbered on a copy first, so a failure leaves the recorder as it was.
         numbering = self._numbering.copy()
         new_records = [numbering.number(effect) for effect in effects]

@@ -47,7 +47,7 @@ from __future__ import annotations
 import datetime
 import math
 import typing
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import attrs
@@ -60,7 +60,9 @@ import torch.nn.functional as F
 from purepp._checks import check_bool, check_int
 from purepp._text import a_type
 from purepp.effects._environment import Call, Environment, itemsize
+from purepp.effects.keyed import KeyedEffects
 from purepp.effects.vocabulary import (
+    EFFECTS_FIX,
     Alias,
     Allocate,
     AllReduce,
@@ -89,6 +91,7 @@ from purepp.effects.vocabulary import (
     WaitStream,
     WaitWork,
     WorkRef,
+    effect_batch,
 )
 from purepp.errors import (
     ConfigError,
@@ -610,16 +613,20 @@ class TorchInterpreter:
             ):
                 return
         except (KeyError, TypeError):  # the error path only: no cost per batch
-            _refuse_non_effects("TorchInterpreter.perform", effects)
+            effect_batch("TorchInterpreter.perform", effects)  # raises the typed error
             raise
         self.perform_eager(effects)
 
     def perform_eager(self, effects: Iterable[Effect], /) -> None:
-        """Perform `effects` one by one (what a plan falls back to)."""
+        """Perform `effects` one by one (what a plan falls back to).
+
+        A batch a pure step built (`KeyedEffects`) is trusted; any other is checked whole
+        first (a set lookup per effect), so a stranger in it performs nothing.
+        """
         handlers = self._handlers
         checked = self._checked
-        if checked:  # the opt-in slow mode: a stranger anywhere in the batch stops all of it
-            _refuse_non_effects("TorchInterpreter.perform", effects)
+        if checked or type(effects) is not KeyedEffects:
+            effects = effect_batch("TorchInterpreter.perform", effects)
         try:
             if self._streams is None:
                 for effect in effects:
@@ -637,7 +644,7 @@ class TorchInterpreter:
             finally:
                 self.restore_stream()
         except (KeyError, TypeError):  # the error path only: no cost per effect
-            _refuse_non_effects("TorchInterpreter.perform_eager", effects)
+            effect_batch("TorchInterpreter.perform_eager", effects)  # raises the typed error
             raise
 
     def handler(self, effect: Effect) -> Callable[[Any], None]:
@@ -746,7 +753,7 @@ class TorchInterpreter:
                 raise InvalidInputError(
                     "TorchInterpreter.perform",
                     f"{effect!r} is {a_type(effect)}, not an effect",
-                    _EFFECTS_FIX,
+                    EFFECTS_FIX,
                 )
 
     def _check_index(self, effect: Effect, ref: BufferRef) -> torch.Tensor:
@@ -1013,29 +1020,6 @@ class TorchInterpreter:
         views = section_views(source, effect.sections)
         for section, view in zip(effect.sections, views, strict=True):
             env.buffers[section.buffer] = view
-
-
-def _refuse_non_effects(call: str, effects: object) -> None:
-    """Raise InvalidInputError when `effects` is not an iterable of effects.
-
-    Fast mode calls it only once a perform failed, so the hot path pays nothing; a
-    one-shot iterator was consumed by then and cannot be checked (the original error
-    stands), and the effects before a stranger were performed. Checked mode and plans
-    check a whole tuple before performing any of it.
-    """
-    if not isinstance(effects, Iterable):
-        raise InvalidInputError(call, f"effects is {a_type(effects)}", _EFFECTS_FIX)
-    if not isinstance(effects, Iterator):  # a collection, read again here
-        for index, item in enumerate(effects):
-            if not isinstance(item, Effect):
-                raise InvalidInputError(
-                    call,
-                    f"effects[{index}] is {item!r}, {a_type(item)}, not an effect",
-                    _EFFECTS_FIX,
-                )
-
-
-_EFFECTS_FIX = "pass a tuple of effects from purepp.effects.vocabulary (what a pure step returns)"
 
 
 def scatter_rows(

@@ -10,11 +10,15 @@ reads like a flight recorder.
 from __future__ import annotations
 
 import enum
+import typing
+from collections.abc import Iterable
 from typing import TypeAlias
 
 import attrs
 
+from purepp._text import a_type
 from purepp.effects.arrays import ARRAY_EQ, IntArray, int32_array
+from purepp.errors import InvalidInputError
 
 __all__ = [
     "COLLECTIVES",
@@ -425,6 +429,30 @@ Effect: TypeAlias = (
     | Pack
     | Unpack
 )
+
+EFFECT_TYPES: frozenset[type] = frozenset(typing.get_args(Effect))
+
+EFFECTS_FIX = "pass a tuple of effects from purepp.effects.vocabulary (what a pure step returns)"
+
+
+def effect_batch(call: str, effects: object) -> tuple[Effect, ...]:
+    """`effects` as a tuple, every item checked to be an effect before any is performed.
+
+    A caller's batch is checked whole (a set lookup per effect), so a stranger in it
+    performs and records nothing. A one-shot iterator is read into the tuple first.
+    """
+    if type(effects) is not tuple:
+        if not isinstance(effects, Iterable) or isinstance(effects, str | bytes):
+            raise InvalidInputError(call, f"effects is {a_type(effects)}", EFFECTS_FIX)
+        effects = tuple(effects)
+    batch = typing.cast(tuple[object, ...], effects)
+    for index, item in enumerate(batch):
+        if type(item) not in EFFECT_TYPES:
+            raise InvalidInputError(
+                call, f"effects[{index}] is {item!r}, {a_type(item)}, not an effect", EFFECTS_FIX
+            )
+    return typing.cast(tuple[Effect, ...], batch)
+
 
 # Effects that every rank of a communicator must issue in the same order.
 COLLECTIVES: tuple[type[Broadcast] | type[AllReduce], ...] = (Broadcast, AllReduce)
