@@ -30,8 +30,8 @@ forward (`start_next_agreement`, recorded on `Agreed.ahead`, carried by `RankSta
 `Begun`) and settles it at the top of the next step, so the wait hides behind the
 forward. The lanes travel inside those values: a second start while one is in flight is
 a `dp.LaneBusyError`, raised before anything is issued. (Such a step issues step T + 1's
-all-reduce among step T's effects; the simulator, which wants each rank's steps in
-order, does not run it yet.)
+asynchronous all-reduce among step T's effects; the simulator and `purepp check` take
+that one effect out of step order.)
 """
 
 from __future__ import annotations

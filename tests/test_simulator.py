@@ -971,6 +971,42 @@ def test_an_async_all_reduce_completes_at_its_wait() -> None:
     np.testing.assert_array_equal(tables[1], tables[0])
 
 
+def test_the_next_steps_async_all_reduce_may_come_before_this_steps_last_effects() -> None:
+    # purepp.rank.start_next_agreement: step 1's agreement starts during step 0's forward,
+    # before step 0's relay effects; steps still never go back otherwise.
+    ahead, ahead_result = WorkRef("dp.step1.work"), BufferRef("dp.step1.table")
+    tables: dict[int, Int64] = {}
+
+    def program(ctx: RankContext) -> Iterator[tuple[Effect, ...]]:
+        contribution = np.zeros((1, ctx.world.dp), dtype=np.int32)
+        contribution[0, ctx.replica] = ctx.replica + 1
+        yield (dp_agreement(0, Communicator.DP_CPU, ctx.replica),)
+        yield (
+            AllReduce(
+                step=1,
+                op=Op.AGREE,
+                contribution=contribution,
+                result=ahead_result,
+                comm=Communicator.DP_CPU,
+                work=ahead,
+            ),
+        )
+        yield (WaitStream(step=0, op=Op.END_STEP, stream=Stream.MAIN, waits_for=Stream.RELAY),)
+        yield (WaitWork(step=1, op=Op.AGREE, work=ahead),)
+        tables[ctx.rank] = ctx.interpreter.host_array(ahead_result)
+
+    simulate(Layout(pp=1, dp=2), program)
+    np.testing.assert_array_equal(tables[0], [[1, 2]])
+    np.testing.assert_array_equal(tables[1], [[1, 2]])
+
+    def back_after_the_wait(ctx: RankContext) -> Iterator[tuple[Effect, ...]]:
+        yield from program(ctx)
+        yield (WaitStream(step=0, op=Op.END_STEP, stream=Stream.MAIN, waits_for=Stream.RELAY),)
+
+    with pytest.raises(InvalidInputError, match="step-0 WaitStream after a step-1 effect"):
+        simulate(Layout(pp=1, dp=2), back_after_the_wait)
+
+
 def test_an_async_all_reduce_never_waited_on_is_reported() -> None:
     def program(ctx: RankContext) -> Iterator[tuple[Effect, ...]]:
         if ctx.rank == 0:

@@ -20,7 +20,11 @@ as every communicator:
   checked by `CheckHeader`) can tell that two ranks paired different steps.
 - Ranks run greedily, lowest rank first: each issues effects until its host
   blocks, its program ends, or its next effect belongs to step s while a stage of
-  its pipeline has not yet issued all of step s - `max_steps_in_flight`. That is
+  its pipeline has not yet issued all of step s - `max_steps_in_flight`. Steps never
+  go back, with one exception: an asynchronous all-reduce of a later step (the next
+  step's agreement, started during this step's forward by
+  `purepp.rank.start_next_agreement`) may come before this step's remaining effects.
+  It starts no step: it is never held back, and the rank stays at its step. That is
   the adversarial schedule for a receiver: it consumes as early as the steps in
   flight allow. If the host then blocks on a relay event (or stream) whose
   broadcast a peer has not posted yet, the receiver has outrun the ring: the run
@@ -63,6 +67,7 @@ from purepp.effects.numpy_interpreter import (
 )
 from purepp.effects.scheduler import CollectiveHub
 from purepp.effects.vocabulary import (
+    AllReduce,
     Communicator,
     Effect,
     Stream,
@@ -118,6 +123,19 @@ class _Rank:
         self.yields = 0  # tuples the program has yielded
         self.finished = False  # the program is exhausted
         self.issued: list[Effect] = []  # every effect issued, in order
+        # the step of the last effect issued that was not an agreement started ahead
+        self.order_step: int | None = None
+
+    def ahead(self, effect: Effect) -> bool:
+        """Whether `effect` is a later step's agreement started within this step: an
+        asynchronous all-reduce, which neither starts its step nor waits for anything."""
+        order_step = self.order_step
+        return (
+            type(effect) is AllReduce
+            and effect.work is not None
+            and order_step is not None
+            and effect.step > order_step
+        )
 
     def at_step(self) -> int | None:
         """The step this rank is working on (every earlier step is fully issued); None
@@ -130,7 +148,7 @@ class _Rank:
         if self.finished:
             return None
         # Between yields: the next tuple may still belong to the last issued step.
-        return self.issued[-1].step if self.issued else 0
+        return 0 if self.order_step is None else self.order_step
 
 
 _END = object()  # what `next` returns for an exhausted program
@@ -219,9 +237,10 @@ class _Simulation:
                 rank.yields += 1
                 continue
             effect = rank.pending[0]
-            if self._held_back_by(rank, effect.step):
+            ahead = rank.ahead(effect)
+            if not ahead and self._held_back_by(rank, effect.step):
                 return progressed
-            _check_order(rank, effect)
+            _check_order(rank, effect, ahead)
             rank.pending.popleft()
             rank.issued.append(effect)
             rank.interpreter.issue(effect)
@@ -322,15 +341,18 @@ class _Simulation:
         return edges
 
 
-def _check_order(rank: _Rank, effect: Effect) -> None:
-    last = rank.issued[-1].step if rank.issued else effect.step
-    if effect.step < last:
+def _check_order(rank: _Rank, effect: Effect, ahead: bool) -> None:
+    last = rank.order_step
+    if last is not None and effect.step < last:
         raise InvalidInputError(
             _CALL,
             f"rank {rank.context.rank} issues a step-{effect.step} {type(effect).__name__}"
             f" after a step-{last} effect",
-            "yield each rank's effects in step order (steps never go back)",
+            "yield each rank's effects in step order (steps never go back; only the next "
+            "step's agreement may start early, as an asynchronous all-reduce)",
         )
+    if not ahead:
+        rank.order_step = effect.step
 
 
 def _checked_step(rank: int, index: int, step: object) -> tuple[Effect, ...]:
