@@ -1,4 +1,5 @@
-"""The README's embedding example runs as written and type-checks under mypy --strict."""
+"""The README's embedding example runs as written and type-checks under mypy --strict; claims
+the README makes that no other test states are pinned here."""
 
 from __future__ import annotations
 
@@ -8,6 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from purepp.effects.log import replay
+from purepp.effects.numpy_interpreter import NumpyInterpreter
+from purepp.errors import InterpreterError
+from purepp.testing import ScheduleConfig, make_schedule, record_scripted_logs
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "tests" / "readme_example.py"
@@ -89,3 +95,63 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     assert block is not None
     assert "pytest" in block.group(1)
     assert "sed -n '/<!-- test-command -->/" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_replay_into_a_numpy_interpreter_stops_where_the_readme_says() -> None:
+    # "A log holds no caller tensors, so a numpy or torch interpreter stops with an
+    # InterpreterError at the first relay input, unbound (a lone NumpyInterpreter stops
+    # earlier, at the first collective with another rank)."
+    receiver, sender = record_scripted_logs(
+        make_schedule(ScheduleConfig(pp=2, dp=1, spec=1, steps=6, seed=0))
+    )
+    with pytest.raises(InterpreterError, match=r"buffer 'relay\.input\.\w+' is not bound"):
+        replay(sender, NumpyInterpreter(rank=1))
+    with pytest.raises(InterpreterError, match=r"broadcast from rank 1 in the lone interpreter"):
+        replay(receiver, NumpyInterpreter(rank=0))
+
+
+_SAMPLED_TYPES = """
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from purepp.effects.io import NumpyIO
+from purepp.effects.numpy_interpreter import NumpyInterpreter
+from purepp.rank import Agreed, RankConfig, RankDriver, Sampled
+
+
+def finish(config: RankConfig, agreed: Agreed) -> None:
+    interpreter = NumpyInterpreter()
+    driver = RankDriver(config, interpreter, NumpyIO(interpreter))
+    tokens = np.zeros((2, 1), dtype=np.int64)
+    counts = np.ones(2, dtype=np.int32)
+    own = Sampled(tokens=tokens, num_sampled=counts, num_rejected=counts)
+    driver.finish(agreed, own)  # refused
+    typed = Sampled[npt.NDArray[Any]](tokens=tokens, num_sampled=counts, num_rejected=counts)
+    driver.finish(agreed, typed)
+    driver.finish(agreed, Sampled(tokens=tokens, num_sampled=counts, num_rejected=counts))
+"""
+
+
+def test_a_numpy_sampled_of_its_own_is_refused_by_finish_and_the_readme_fixes_work(
+    tmp_path: Path,
+) -> None:
+    # The README's typing note: a `Sampled(...)` of numpy arrays assigned to a variable of
+    # its own is `Sampled[object]`, which `finish` of a `RankDriver` over `NumpyIO` refuses;
+    # `Sampled[npt.NDArray[Any]](...)` or a `Sampled(...)` built inside the call pass.
+    script = tmp_path / "sampled_types.py"
+    script.write_text(_SAMPLED_TYPES)
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
+    )
+    errors = [line for line in result.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1, result.stdout + result.stderr
+    refused = _SAMPLED_TYPES.splitlines().index("    driver.finish(agreed, own)  # refused") + 1
+    assert f':{refused}: error: Argument 2 to "finish" of "RankDriver"' in errors[0]
+    assert '"Sampled[object]"' in errors[0]
