@@ -104,10 +104,13 @@ class Heartbeat:
         self._done = done
         self._beat()
 
-    def loop_ended(self) -> None:
-        """The loop is over (early or not): shown as every step done while the results
-        are gathered and written."""
-        self.step_done(self._total)
+    def loop_ended(self, steps: int) -> None:
+        """The loop is over after `steps` steps: shown as every step done while the
+        results are gathered and written. A run that finished its requests early ran
+        fewer steps than the bound it started with, so the total becomes those steps
+        (the bar ends where the summary's step count does)."""
+        self._total = steps
+        self.step_done(steps)
 
     def leaving(self) -> None:
         """The rank exits (done or failed): say so and stop beating, so the launcher does

@@ -43,13 +43,13 @@ def run_rank(
     log_dir: str | None,
     trace_path: str | None,
     on_step: Callable[[int], None] = lambda step: None,
-    on_loop_end: Callable[[], None] = lambda: None,
+    on_loop_end: Callable[[int], None] = lambda steps: None,
     abort_requests: bool = True,
     run_id: str | None = None,
 ) -> tuple[RankResult, ...] | None:
     """Run one rank to the end. Rank 0 gathers every rank's result, writes them to
     `out_dir` (and the merged trace to `trace_path`) and returns them; others return
-    None. `on_step(step)` is called after each step and `on_loop_end()` after the last;
+    None. `on_step(step)` is called after each step and `on_loop_end(steps)` after the last;
     `run_id` goes in the log header."""
     timeout = datetime.timedelta(seconds=settings.timeout_s)
     if settings.backend == "nccl":
@@ -106,7 +106,7 @@ def run_rank(
         progress=on_step,
     )
     result = loop.run()
-    on_loop_end()
+    on_loop_end(result.steps)
     gathered: list[object] | None = [None] * settings.world_size if rank == 0 else None
     payload = (result, [] if tracer is None else tracer.events)
     dist.gather_object(payload, gathered, dst=0, group=results_group)
