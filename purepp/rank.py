@@ -319,13 +319,24 @@ _FIELDS: dict[type, tuple[tuple[str, tuple[type, ...]], ...]] = {
 
 
 def _check_agree(
-    call: str, config: RankConfig, phase: tuple[str, object, type], batch: object, shape: ShapeFacts
+    call: str,
+    config: RankConfig,
+    phase: tuple[str, object, type],
+    batch: BatchFacts,
+    shape: ShapeFacts,
 ) -> None:
     """The checks of a phase that starts an agreement; `phase` names the value it takes."""
     _expect(call, "config", config, RankConfig)
     _expect(call, *phase)
     _expect(call, "batch", batch, BatchFacts)
     _expect(call, "shape", shape, ShapeFacts)
+    if shape.num_tokens < batch.num_reqs:  # dp.RankBatch refuses it too, naming itself
+        raise InvalidInputError(
+            call,
+            f"ShapeFacts.num_tokens={shape.num_tokens} is below the batch's {batch.num_reqs} rows",
+            "pass the step's scheduled tokens (after padding) as num_tokens: every batch "
+            "row schedules at least one",
+        )
     if config.dispatcher is None and not shape.need_eager:
         # dp.start_agreement refuses it too, but would name itself and not the config.
         raise InvalidInputError(
@@ -504,10 +515,10 @@ def settle(
     agreeing = begun.agreeing
     step = begun.relay.step
     if agreeing is None or agreeing.step != step:
-        started = "none" if agreeing is None else f"step {agreeing.step}'s"
+        started = "no agreement" if agreeing is None else f"step {agreeing.step}'s agreement"
         raise InvalidInputError(
             "settle",
-            f"step {step} has {started} agreement in flight, not its own",
+            f"step {step} has {started} in flight, not its own",
             "start this step's agreement first (start_agreement_phase, or "
             "start_next_agreement during the step before)",
         )

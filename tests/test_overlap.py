@@ -308,7 +308,9 @@ def test_settling_a_step_with_no_agreement_in_flight_is_refused() -> None:
     begun = rank.perform_phase(
         rank.begin(config, rank.init_rank(config)), Recorder(scripted_header(schedule, 0))
     )
-    with pytest.raises(InvalidInputError, match=r"^settle: step 0 has none agreement"):
+    with pytest.raises(
+        InvalidInputError, match=r"^settle: step 0 has no agreement in flight, not its own"
+    ):
         next(rank.settle(config, begun, RecordingTensors(schedule)))
 
 

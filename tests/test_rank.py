@@ -357,3 +357,25 @@ def test_finish_names_a_float_count_that_the_torch_interpreter_binds() -> None:
         driver.finish(agreed, sampled)
     assert "buffer 'relay.input.num_rejected' is float32" in str(caught.value)
     assert "pass num_rejected as an int32 tensor of shape [4]" in str(caught.value)
+
+
+def test_a_token_count_below_the_batch_rows_is_named_on_the_call_that_took_it() -> None:
+    world = one_rank_driver()
+    driver, batch = world.driver, world.schedule.at(0, 0).batch
+    assert batch.num_reqs == 4
+    begun = driver.begin(init_rank(driver.config))
+    short = ShapeFacts(num_tokens=3)
+    for call, attempt in (
+        ("agree", lambda: driver.agree(begun, batch, short)),
+        ("start_agreement_phase", lambda: driver.start(begun, batch, short)),
+    ):
+        with pytest.raises(
+            InvalidInputError,
+            match=rf"^{call}: ShapeFacts\.num_tokens=3 is below the batch's 4 rows",
+        ) as caught:
+            attempt()
+        assert "pass the step's scheduled tokens (after padding) as num_tokens" in str(caught.value)
+    assert world.issued() == 0
+    agreed = driver.agree(begun, batch, shape_of(world.schedule, 0))
+    with pytest.raises(InvalidInputError, match=r"^start_next_agreement: ShapeFacts\.num_tokens"):
+        driver.start_next(agreed, batch, short)
