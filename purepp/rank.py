@@ -592,6 +592,8 @@ def finish(
     inputs = relay_config.inputs
     batch = agreed.batch
     relay = agreed.relay
+    if config.updates_drafts and relay.step < relay_config.ring_depth:
+        _check_draft_table(relay_config, io)
     if relay_config.reads_idx_mapping:  # else a host-to-device copy nothing would read
         io.bind(inputs.idx_mapping, io.upload(batch.idx_mapping))
     if not config.is_last_stage:
@@ -691,6 +693,30 @@ def _check_counts(config: RelayConfig, batch: BatchFacts, io: StepIO[T]) -> None
             f"Sampled.{field} is not int32[{rows}] for a batch of {rows} rows: {shown}",
             f"pass {field} as an int32 tensor of shape [{rows}], one count per batch row",
         )
+
+
+def _check_draft_table(config: RelayConfig, io: StepIO[T]) -> None:
+    """A speculating non-last stage's draft table, which the consume scatters the kept
+    drafts into, is bound by the caller. Checked on the steps before the first consume,
+    so one forgotten is named at step 0 and not mid-consume `ring_depth` steps later
+    (checking every step would cost an `io.spec` per step)."""
+    ref = config.inputs.draft_table
+    expected = [config.max_num_reqs, config.num_speculative_steps]
+    try:
+        spec = io.spec(ref)
+    except InterpreterError as error:
+        shown = error.problem
+    else:
+        if list(spec.shape) == expected and spec.dtype is DType.INT64:
+            return
+        shown = f"it is {spec.dtype.value}{list(spec.shape)}"
+    raise InvalidInputError(
+        "finish",
+        f"the draft table {ref.name!r} of a non-last stage with num_speculative_steps="
+        f"{config.num_speculative_steps} is not int64{expected}: {shown}",
+        f"bind an int64 tensor of shape {expected} (zeros) under config.relay.inputs."
+        "draft_table before the first step: the consume writes the kept drafts into it",
+    )
 
 
 def perform_phase(phase: StepPhase[R], interpreter: Interpreter) -> R:

@@ -128,7 +128,7 @@ def interpreter() -> NumpyInterpreter:
 
 
 def io() -> NumpyIO:
-    return NumpyIO(NumpyInterpreter())
+    return NumpyIO(interpreter())  # a stage-0 caller binds its draft table first
 
 
 def run(phase: Any) -> Any:

@@ -379,3 +379,43 @@ def test_a_token_count_below_the_batch_rows_is_named_on_the_call_that_took_it() 
     agreed = driver.agree(begun, batch, shape_of(world.schedule, 0))
     with pytest.raises(InvalidInputError, match=r"^start_next_agreement: ShapeFacts\.num_tokens"):
         driver.start_next(agreed, batch, short)
+
+
+def first_stage_driver() -> tuple[Schedule, RankDriver[npt.NDArray[Any]], Recorder, NumpyIO]:
+    """Stage 0 of a speculating two-stage pipeline, recorded without performing."""
+    schedule = make_schedule(ScheduleConfig(pp=2, dp=1, spec=2, steps=STEPS, seed=3))
+    recorder = Recorder(scripted_header(schedule, 0))
+    io = NumpyIO(NumpyInterpreter())
+    return schedule, RankDriver(rank_config(schedule, 0), recorder, io), recorder, io
+
+
+@pytest.mark.parametrize(
+    ("table", "shown"),
+    [
+        (None, "buffer 'relay.input.draft_table' is not bound"),
+        (np.zeros((4, 3), np.int64), "it is int64[4, 3]"),
+        (np.zeros((4, 2), np.int32), "it is int32[4, 2]"),
+    ],
+)
+def test_a_speculating_receiver_without_its_draft_table_is_refused_at_the_first_finish(
+    table: npt.NDArray[Any] | None, shown: str
+) -> None:
+    # The consume scatters drafts into it ring_depth steps later, mid-step: name it now.
+    schedule, driver, recorder, io = first_stage_driver()
+    inputs = driver.config.relay.inputs
+    if table is not None:
+        io.bind(inputs.draft_table, table)
+    state = init_rank(driver.config)
+    agreed = driver.agree(driver.begin(state), schedule.at(0, 0).batch, shape_of(schedule, 0))
+    issued = len(recorder.log.effects)
+    with pytest.raises(
+        InvalidInputError,
+        match=r"^finish: the draft table 'relay.input.draft_table' of a non-last stage with "
+        r"num_speculative_steps=2 is not int64\[4, 2\]: ",
+    ) as caught:
+        driver.finish(agreed)
+    assert shown in str(caught.value)
+    assert "bind an int64 tensor of shape [4, 2] (zeros)" in str(caught.value)
+    assert len(recorder.log.effects) == issued  # nothing issued
+    io.bind(inputs.draft_table, np.zeros((4, 2), np.int64))
+    assert driver.finish(agreed).step == 1
