@@ -24,9 +24,10 @@ from purepp.effects.log import Recorder
 from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.torch_interpreter import TorchInterpreter, build_communicators
 from purepp.effects.vocabulary import Broadcast, BufferRef, Effect
-from purepp.errors import InvalidInputError
-from purepp.rank import RankDriver, Sampled, ShapeFacts, StepIO, init_rank
-from purepp.relay import Wire
+from purepp.errors import InterpreterError, InvalidInputError
+from purepp.rank import RankDriver, RankSteps, Sampled, ShapeFacts, StepIO, init_rank
+from purepp.relay import RelayConfig, RelayState, Wire
+from purepp.step import Step
 from purepp.testing import (
     ConsumedStep,
     RankOutputs,
@@ -419,3 +420,17 @@ def test_a_speculating_receiver_without_its_draft_table_is_refused_at_the_first_
     assert len(recorder.log.effects) == issued  # nothing issued
     io.bind(inputs.draft_table, np.zeros((4, 2), np.int64))
     assert driver.finish(agreed).step == 1
+
+
+def test_a_step_run_twice_is_named_as_such_by_the_buffer_it_binds_again() -> None:
+    # An embedder's own loop that never ends its relay's step issues the next step under
+    # the same step's names: the interpreter says what went wrong, not only which name.
+    def never_ends(config: RelayConfig, state: RelayState) -> Step[RelayState, None]:
+        return Step(state=state, effects=(), result=None)
+
+    schedule = make_schedule(ScheduleConfig(pp=2, dp=1, spec=1, steps=STEPS, seed=3))
+    with pytest.raises(InterpreterError, match=r"step0\.\w+' is already bound") as caught:
+        simulate_schedule(schedule, steps_for=lambda rank: RankSteps(end_step=never_ends))
+    assert "if a step ran twice, pass begin (or a relay step) the state the last finish" in str(
+        caught.value
+    )

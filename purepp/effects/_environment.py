@@ -139,7 +139,9 @@ class Environment(Generic[B, E, W]):
             self.fail(
                 call,
                 f"buffer {ref.name!r} is already bound",
-                "release the old buffer first, or name new buffers from the step counter",
+                "if a step ran twice, pass begin (or a relay step) the state the last finish "
+                "(or end_step) returned; else release the old buffer first, or name new "
+                "buffers from the step counter",
             )
 
     def check_rebindable(self, call: Call, ref: BufferRef) -> None:
