@@ -1,22 +1,32 @@
-"""The research runner: toy model, scheduler, parity verdict, and whole runs over gloo."""
+"""The research runner: toy model, scheduler, parity verdict, whole runs over gloo, and
+the per-rank loop on workloads small enough to follow step by step."""
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
 from purepp.effects.checker import check_logs
+from purepp.effects.logmodel import LogHeader
+from purepp.effects.recorder import Recorder
+from purepp.effects.torch_interpreter import TorchInterpreter, build_communicators
+from purepp.effects.vocabulary import AllReduce
 from purepp.errors import ConfigError
+from purepp.layout import Layout
 from purepp.runner.cli import launch
+from purepp.runner.loop import RankLoop
 from purepp.runner.parity import check_parity
-from purepp.runner.results import PlanCounts
+from purepp.runner.results import PlanCounts, RankResult
 from purepp.runner.scheduler import Scheduler, SchedulerConfig
 from purepp.runner.settings import MAX_SPECULATIVE_STEPS, RunSettings
+from purepp.runner.summary import summarise
 from purepp.runner.toy_model import (
     ForwardPlan,
     ToyStage,
@@ -25,7 +35,8 @@ from purepp.runner.toy_model import (
     propose_drafts,
     reference_generate,
 )
-from purepp.runner.workload import Request, WorkloadConfig, make_workload
+from purepp.runner.workload import Request, Workload, WorkloadConfig, make_workload
+from tests._dist import RankContext, run_ranks
 
 VOCAB = 1000
 
@@ -380,3 +391,164 @@ def test_launch_draws_progress_on_stderr_unless_told_not_to(
     assert "step" in capfd.readouterr().err  # a line per tenth of the run (not a terminal)
     assert launch(settings, progress=False).verdict.ok
     assert capfd.readouterr().err == ""
+
+
+# -- the loop itself, one process per rank, on workloads small enough to follow by hand ----
+
+
+def _request(
+    request_id: int, replica: int, prompt_len: int, max_tokens: int, abort_after: int | None = None
+) -> Request:
+    """A request arriving at step 0, with a prompt of its own."""
+    first = 10 * request_id + 1
+    return Request(
+        request_id=request_id,
+        replica=replica,
+        arrival_step=0,
+        prompt=tuple(range(first, first + prompt_len)),
+        max_tokens=max_tokens,
+        abort_after_steps=abort_after,
+    )
+
+
+@attrs.frozen(kw_only=True)
+class _LoopRun:
+    """What one rank's loop reported, and what it held between steps."""
+
+    result: RankResult
+    ahead: tuple[int | None, ...]  # after each step: the step whose agreement is in flight
+    all_reduces: tuple[int, ...]  # the steps of the agreement all-reduces, in issue order
+    left_ahead: bool  # the loop kept a batch scheduled ahead past its last step
+
+
+def _run_loop(settings: RunSettings, requests: tuple[Request, ...], ctx: RankContext) -> _LoopRun:
+    world = Layout(pp=settings.pp, dp=settings.dp)
+    groups = build_communicators(
+        pp_groups=world.pp_groups,
+        dp_groups=world.dp_groups,
+        relay_backend="gloo",
+        timeout=ctx.timeout,
+    )
+    env = TorchInterpreter(device=torch.device("cpu"), groups=groups, rank=ctx.rank)
+    recorder = Recorder(LogHeader(rank=ctx.rank, world=world), env)
+    ahead: list[int | None] = []
+
+    def step_done(step: int) -> None:
+        agreeing = loop.state.agreeing
+        ahead.append(None if agreeing is None else agreeing.step)
+
+    loop = RankLoop(
+        settings,
+        Workload(vocab_size=VOCAB, requests=requests),
+        rank=ctx.rank,
+        env=env,
+        perform=recorder,
+        activation_group=None,
+        progress=step_done,
+    )
+    result = loop.run()
+    return _LoopRun(
+        result=result,
+        ahead=tuple(ahead),
+        all_reduces=tuple(
+            r.effect.step for r in recorder.log.records if isinstance(r.effect, AllReduce)
+        ),
+        left_ahead=loop.scheduled_ahead is not None,
+    )
+
+
+def _reference(requests: tuple[Request, ...], settings: RunSettings) -> dict[int, list[int]]:
+    return {
+        r.request_id: reference_generate(r.prompt, r.max_tokens, settings.num_layers, VOCAB)
+        for r in requests
+    }
+
+
+@pytest.mark.multiprocess
+def test_padding_and_eager_steps_are_counted_from_the_agreed_shapes() -> None:
+    """pp 1 x dp 2, no drafts, graphs of 1, 2, 4, 8, ... tokens. Rank 0 prefills a
+    3-token prompt and decodes once; rank 1 prefills a 5-token one and decodes twice.
+
+    - step 0: prefills of 3 and 5 tokens, padded to the graph for the most, 8: rank 0
+      pads 5 (alone it would have run the 4-token graph), rank 1 pads 3;
+    - step 1: a 1-token decode on each runs the 1-token graph: no padding;
+    - step 2: rank 0 idle (an idle rank runs eager) while rank 1 decodes, so the group
+      agrees to run eager, each rank its own count: no padding, an eager step on each;
+    - step 3: both idle: nothing agreed eager, nothing padded."""
+    settings = RunSettings(pp=1, dp=2, spec=0, steps=4, requests=2)
+    requests = (
+        _request(0, 0, prompt_len=3, max_tokens=2),
+        _request(1, 1, prompt_len=5, max_tokens=3),
+    )
+    runs = run_ranks(functools.partial(_run_loop, settings, requests), settings.world_size)
+    results = [run.result for run in runs]
+    assert [(r.padded_tokens, r.eager_steps) for r in results] == [(5, 1), (3, 1)]
+    summary = summarise(settings, results, [])
+    assert (summary.padded_tokens, summary.eager_steps) == (8, 2)
+    line = "  batch shapes     8 tokens of CUDA-graph padding, 2 steps agreed eager across DP"
+    assert line in summary.render().splitlines()
+    assert [r.finished for r in results] == [(0,), (1,)]
+    # The padded rows change no token.
+    outputs = results[0].outputs | results[1].outputs
+    verdict = check_parity(outputs, frozenset({0, 1}), _reference(requests, settings))
+    assert verdict.ok, verdict.render()
+    assert (verdict.exact, verdict.compared) == (2, 5)
+
+
+# Rank 0's three requests, due to abort 1, 2 and 3 steps after their first decode,
+# beside rank 1's request that finishes.
+_ABORTING = (
+    _request(0, 0, prompt_len=2, max_tokens=10, abort_after=1),
+    _request(1, 1, prompt_len=2, max_tokens=3),
+    _request(2, 0, prompt_len=2, max_tokens=10, abort_after=2),
+    _request(3, 0, prompt_len=2, max_tokens=10, abort_after=3),
+)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("overlap", "lengths", "ahead", "padding"),
+    [
+        (False, {0: 2, 2: 3, 3: 4}, (None,) * 8, [(3, 1), (10, 1)]),
+        (True, {0: 2, 2: 2, 3: 3}, (1, 2, 3, 4, 5, 6, 7, None), [(3, 0), (9, 0)]),
+    ],
+    ids=["plain", "overlapped"],
+)
+def test_aborts_land_at_their_step_and_no_agreement_outlives_the_run(
+    overlap: bool,
+    lengths: dict[int, int],
+    ahead: tuple[int | None, ...],
+    padding: list[tuple[int, int]],
+) -> None:
+    """pp 1 x dp 2, 2-token prompts, 8 steps: every request prefills at step 0. An
+    aborted request keeps the tokens applied before its abort (parity sees only a prefix).
+
+    Plain: in flight one step, each request first decodes at step 1 and its outputs are
+    applied a step after they are made; at step s the loop aborts what is due by s, so
+    the three abort at steps 2, 3, 4 with 2, 3, 4 tokens. Rank 0 pads 2 (its 6 prefill
+    tokens to 8, for rank 1's 2) and 1 (3 decodes to 4); rank 1 pads 6, 3 and, at step 2,
+    1 (its decode to rank 0's 2); at step 3 rank 1 is idle, so the group runs eager.
+
+    Overlapped (`--overlap-agreement`): in flight two steps, the requests first decode
+    at step 2 and outputs are applied at steps 1, 3, 5. At step s the loop settles step
+    s's agreement, then aborts what is due by s + 1 (the step it schedules next), sparing
+    step s's rows: due by 3, spared at 2, aborted at 3 with 2 tokens; due by 4, aborted
+    at 3 with 2; due by 5, spared at 4, aborted at 5 with 3. Padding: 6 and 2 prefill
+    tokens to 8, 3 and 1 decodes to 4. After each step but the last, the next step's
+    agreement is in flight; after the last, none is.
+
+    Either way one all-reduce per step, in step order, and none past the run."""
+    settings = RunSettings(pp=1, dp=2, spec=0, steps=8, requests=4, overlap_agreement=overlap)
+    runs = run_ranks(functools.partial(_run_loop, settings, _ABORTING), settings.world_size)
+    aborts, finishes = runs[0].result, runs[1].result
+    assert {r: len(tokens) for r, tokens in aborts.outputs.items()} == lengths
+    assert (aborts.aborted, aborts.finished) == ((0, 2, 3), ())
+    assert (finishes.aborted, finishes.finished) == ((), (1,))
+    outputs = aborts.outputs | finishes.outputs
+    verdict = check_parity(outputs, frozenset({1}), _reference(_ABORTING, settings))
+    assert verdict.ok, verdict.render()
+    for run in runs:
+        assert run.ahead == ahead
+        assert run.all_reduces == tuple(range(8))
+        assert not run.left_ahead
+    assert [(run.result.padded_tokens, run.result.eager_steps) for run in runs] == padding
