@@ -10,17 +10,22 @@ correct program must run the same schedule cleanly.
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attrs
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from purepp import dp
 from purepp.batch import BatchFacts, need_sampled_mask
-from purepp.cudagraph import Dispatcher
-from purepp.effects.checker import check_log_dir
-from purepp.effects.log import dump_logs
+from purepp.cudagraph import CaptureMode, CudaGraphDispatcher, CUDAGraphMode, Dispatcher
+from purepp.effects.arrays import IntArray
+from purepp.effects.checker import check_log_dir, check_logs
+from purepp.effects.log import Recorder, dump_logs
 from purepp.effects.matching import (
     CollectiveKind,
     CollectiveReportError,
@@ -28,11 +33,17 @@ from purepp.effects.matching import (
     MismatchReport,
     Report,
     RingOverrunReport,
+    StageAgreements,
+    StageDivergenceReport,
 )
-from purepp.effects.numpy_interpreter import POISON
+from purepp.effects.numpy_interpreter import POISON, PostedCollective
+from purepp.effects.scheduler import CollectiveHub
+from purepp.effects.simulator import RankContext, RankProgram, simulate
 from purepp.effects.vocabulary import (
     Alias,
+    AllReduce,
     Broadcast,
+    BufferRef,
     Communicator,
     DType,
     Effect,
@@ -44,6 +55,7 @@ from purepp.effects.vocabulary import (
     TensorSpec,
 )
 from purepp.errors import HeaderMismatchError
+from purepp.layout import Layout
 from purepp.rank import RankSteps
 from purepp.relay import (
     RelayConfig,
@@ -53,13 +65,20 @@ from purepp.relay import (
     end_step,
     receive,
 )
+from purepp.runner.cli import main as cli_main
 from purepp.step import Step
 from purepp.testing import (
+    CAPTURE_SIZES,
+    RankOutputs,
+    RecordingTensors,
     Schedule,
     ScheduleConfig,
     ScriptedRun,
+    drive,
     make_schedule,
     record_scripted_logs,
+    scripted_header,
+    scripted_rank_effects,
     simulate_schedule,
 )
 
@@ -551,3 +570,536 @@ def test_ff6_every_relay_receive_is_matched_by_a_send_of_the_same_step(pp: int, 
         assert len(receiver) == len(sender)
         assert [e.step for e in receiver] == [e.step for e in sender]
         assert {e.op for e in receiver} == {Op.RECEIVE}
+
+
+# ---- FF7: the stages of one replica decide their mode from facts of their own ----------------
+#
+# In a PP x DP world each stage agrees its batch shape over its own DP group (the same
+# stage across the replicas: ranks (0, 2) and (1, 3) in pp=2, dp=2). The stages of one
+# replica are given the same batch, so they contribute the same column and decide the
+# same mode and padded token count. A stage-local fact in one stage's column (need_eager
+# on that stage, graphs it captured for fewer sizes) matches every collective of the
+# agreement, yet the stages run different shapes and the activations passed between them
+# never meet. The simulator and `purepp check` compare the stages' columns.
+
+# A stage-local fact: what rank `rank` hands its agreement at `step` in place of the
+# replicated dispatcher and batch.
+LocalFact = Callable[[int, int, Dispatcher, dp.RankBatch], tuple[Dispatcher, dp.RankBatch]]
+
+
+def no_local_fact(
+    rank: int, step: int, dispatcher: Dispatcher, batch: dp.RankBatch
+) -> tuple[Dispatcher, dp.RankBatch]:
+    return dispatcher, batch
+
+
+def eager_on(ranks: set[int], steps: set[int]) -> LocalFact:
+    """The field bug: `ranks` force eager at `steps` from a fact of their own (a profile
+    run on that stage, graphs it has not captured yet); their pipeline peers do not."""
+
+    def fact(
+        rank: int, step: int, dispatcher: Dispatcher, batch: dp.RankBatch
+    ) -> tuple[Dispatcher, dp.RankBatch]:
+        if rank in ranks and step in steps:
+            return dispatcher, attrs.evolve(batch, need_eager=True)
+        return dispatcher, batch
+
+    return fact
+
+
+def fewer_capture_sizes_on(stage: int, world: Layout) -> LocalFact:
+    """The field bug: one stage's dispatcher captured graphs for fewer sizes (1, 2, 4)."""
+
+    def fact(
+        rank: int, step: int, dispatcher: Dispatcher, batch: dp.RankBatch
+    ) -> tuple[Dispatcher, dp.RankBatch]:
+        if world.pp_stage(rank) != stage or not isinstance(dispatcher, CudaGraphDispatcher):
+            return dispatcher, batch
+        return attrs.evolve(dispatcher, capture_sizes=(1, 2, 4)), batch
+
+    return fact
+
+
+def with_local_fact(
+    rank: int, fact: LocalFact, *, over_pipeline: Layout | None = None
+) -> RankSteps:
+    """Rank `rank`'s steps with `fact` in its agreement; with `over_pipeline`, the stages
+    of its replica agree with each other over PP_CPU instead (purepp's fix, as in the
+    README example)."""
+
+    def start(
+        lanes: dp.AgreementLanes,
+        group: dp.AgreementGroup,
+        dispatcher: Dispatcher | None,
+        batch: dp.RankBatch,
+        *,
+        step: int,
+        lane: dp.Lane = dp.Lane.TARGET,
+        asynchronous: bool = False,
+    ) -> dp.AgreementStarted:
+        assert dispatcher is not None  # the scripted world always passes one
+        dispatcher, batch = fact(rank, step, dispatcher, batch)
+        if over_pipeline is not None:
+            group = attrs.evolve(
+                group,
+                dp_size=over_pipeline.pp,
+                dp_rank=over_pipeline.pp_stage(rank),
+                comm=Communicator.PP_CPU,
+            )
+        return dp.start_agreement(
+            lanes, group, dispatcher, batch, step=step, lane=lane, asynchronous=asynchronous
+        )
+
+    return RankSteps(start_agreement=start)
+
+
+def local_steps(
+    fact: LocalFact, *, over_pipeline: Layout | None = None
+) -> Callable[[int], RankSteps]:
+    return lambda rank: with_local_fact(rank, fact, over_pipeline=over_pipeline)
+
+
+def contribution_of(schedule: Schedule, fact: LocalFact, rank: int, step: int) -> IntArray:
+    """What rank `rank` contributes to its DP group's agreement of `step` (the oracle: the
+    pure agreement on the batch the scripted rank hands it)."""
+    world = schedule.world
+    replica = world.dp_index(rank)
+    planned = schedule.at(step, replica)
+    batch = dp.RankBatch(
+        num_reqs=planned.batch.num_reqs,
+        num_tokens=planned.num_tokens,
+        uniform_token_count=planned.uniform_token_count,
+    )
+    dispatcher, batch = fact(rank, step, schedule.dispatcher(), batch)
+    group = schedule.agreement_group(replica)
+    started = dp.start_agreement(dp.AgreementLanes(), group, dispatcher, batch, step=step)
+    assert started.result.contribution is not None  # dp > 1: an all-reduce
+    return started.result.contribution
+
+
+def stage_columns(schedule: Schedule, fact: LocalFact, step: int, replica: int) -> list[list[int]]:
+    world = schedule.world
+    return [
+        contribution_of(schedule, fact, rank, step)[:, replica].tolist()
+        for rank in world.pipeline(replica)
+    ]
+
+
+def first_divergence(schedule: Schedule, fact: LocalFact) -> tuple[int, set[int]] | None:
+    """The first step at which some replica's stages contribute different columns, and
+    which replicas' do; None when they never do."""
+    for step in range(schedule.config.steps):
+        diverged = {
+            replica
+            for replica in range(schedule.config.dp)
+            if len({tuple(c) for c in stage_columns(schedule, fact, step, replica)}) > 1
+        }
+        if diverged:
+            return step, diverged
+    return None
+
+
+def assert_names_the_divergence(
+    report: Report, schedule: Schedule, fact: LocalFact
+) -> StageDivergenceReport:
+    found = first_divergence(schedule, fact)
+    assert found is not None
+    step, replicas = found
+    assert isinstance(report, StageDivergenceReport)
+    assert (report.step, report.replica) == (step, min(replicas))
+    assert (report.lane, report.comm, report.op) == ("target", Communicator.DP_CPU, Op.AGREE)
+    world = schedule.world
+    assert report.pipeline == world.pipeline(report.replica)
+    expected = stage_columns(schedule, fact, step, report.replica)
+    assert len(report.columns) >= 2
+    for column in report.columns:
+        assert column.rank == report.pipeline[column.stage]
+        assert list(column.column) == expected[column.stage]
+    return report
+
+
+def captured_step(schedule: Schedule, replica: int) -> int:
+    """A step at which `replica` runs a captured graph (tokens within the capture sizes)."""
+    return next(
+        s for s in range(STEPS) if 0 < schedule.at(s, replica).num_tokens <= max(CAPTURE_SIZES)
+    )
+
+
+@pytest.mark.parametrize("microbatch", [False, True], ids=["seed-table", "six-row-table"])
+def test_ff7_a_stage_that_forces_eager_on_its_own_is_named_with_replica_step_lane_and_columns(
+    microbatch: bool,
+) -> None:
+    config = ScheduleConfig(pp=2, dp=2, spec=0, steps=STEPS, seed=0, microbatch=microbatch)
+    schedule = make_schedule(config)
+    step = captured_step(schedule, replica=1)
+    planned = schedule.at(step, 1)
+    fact = eager_on({3}, {step})  # stage 1 of replica 1
+
+    report = assert_names_the_divergence(
+        report_of(schedule, steps_for=local_steps(fact)), schedule, fact
+    )
+
+    assert (report.replica, report.pipeline, report.step) == (1, (2, 3), step)
+    layout = schedule.agreement_group(1).layout
+    rows = report.rows
+    assert len(rows) == layout.rows
+    assert (rows[dp.ROW_NUM_TOKENS], rows[dp.ROW_CG_MODE]) == ("num_tokens", "cg_mode")
+    assert rows[layout.row_num_reqs] == "num_reqs"
+    assert ("allow_ubatching" in rows) == microbatch
+    if microbatch:
+        assert rows[dp.ROW_ALLOW_UBATCHING] == "allow_ubatching"
+    stage0, stage1 = report.columns
+    assert (stage0.rank, stage0.stage, stage1.rank, stage1.stage) == (2, 0, 3, 1)
+    assert stage0.column[dp.ROW_NUM_TOKENS] == stage1.column[dp.ROW_NUM_TOKENS]
+    assert stage0.column[dp.ROW_NUM_TOKENS] == planned.num_tokens
+    assert stage0.column[dp.ROW_CG_MODE] != CUDAGraphMode.NONE
+    assert stage1.column[dp.ROW_CG_MODE] == CUDAGraphMode.NONE
+    assert report.differing == ("cg_mode",)
+
+    text = report.render()
+    mode = CUDAGraphMode(stage0.column[dp.ROW_CG_MODE]).name
+    assert text.startswith(
+        f"Stage divergence: replica 1 (ranks 2, 3), step {step}, target lane"
+        " (all_reduce on dp_cpu, agree)"
+    )
+    assert f"rank 2 (stage 0) contributed num_tokens={planned.num_tokens}, cg_mode=" in text
+    assert f"cg_mode={stage0.column[dp.ROW_CG_MODE]} ({mode})" in text
+    assert "rank 3 (stage 1) contributed" in text
+    assert "cg_mode=0 (NONE)" in text
+    assert "they differ in: cg_mode" in text
+    assert "Communicator.PP_CPU" in report.fix()
+
+
+def test_ff7_a_stage_with_fewer_capture_sizes_diverges_at_the_first_step_they_matter() -> None:
+    schedule = schedule_of(pp=2, dp_size=2, spec=0)
+    fact = fewer_capture_sizes_on(1, schedule.world)
+
+    with pytest.raises(CollectiveReportError) as caught:
+        simulate_schedule(schedule, steps_for=local_steps(fact))
+
+    report = assert_names_the_divergence(caught.value.report, schedule, fact)
+    # Tokens past the smaller capture sizes but within the others: stage 0 runs a graph.
+    tokens = schedule.at(report.step, report.replica).num_tokens
+    assert 4 < tokens <= max(CAPTURE_SIZES)
+    assert report.differing == ("cg_mode",)
+    assert str(caught.value).startswith(f"simulate: Stage divergence: replica {report.replica}")
+    assert "Fix: decide every value of the column from facts replicated" in str(caught.value)
+
+
+class StageTables(RecordingTensors):
+    """The recording seam with each stage's own DP tables: the reduction its DP group
+    gives when every rank contributes what `fact` makes it (a full log of a run with
+    stage-local facts, which the schedule's one table cannot give)."""
+
+    def __init__(self, schedule: Schedule, rank: int, fact: LocalFact) -> None:
+        super().__init__(schedule)
+        self._schedule, self._fact = schedule, fact
+        self._group = schedule.world.replicas(schedule.world.pp_stage(rank))
+
+    def host_table(self, ref: BufferRef, /) -> IntArray:
+        step = int(ref.name.split(".step")[1].split(".")[0])
+        tables = [contribution_of(self._schedule, self._fact, r, step) for r in self._group]
+        reduced: IntArray = np.sum(tables, axis=0, dtype=np.int32)
+        return reduced
+
+
+def record_with(schedule: Schedule, fact: LocalFact, directory: Path) -> tuple[RankOutputs, ...]:
+    """Every rank's run of `schedule` with `fact`, recorded to `directory` as
+    `purepp run --log-dir` writes it; the ranks' outputs."""
+    logs, outputs = [], []
+    for rank in range(schedule.world.world_size):
+        recorder = Recorder(scripted_header(schedule, rank))
+        program = scripted_rank_effects(
+            schedule, rank, StageTables(schedule, rank, fact), with_local_fact(rank, fact)
+        )
+        outputs.append(drive(program, recorder))
+        logs.append(recorder.log)
+    dump_logs(logs, directory)
+    return tuple(outputs)
+
+
+def test_ff7_purepp_check_names_the_divergence_in_recorded_logs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    schedule = schedule_of(pp=2, dp_size=2, spec=0)
+    step = captured_step(schedule, replica=1)
+    fact = eager_on({3}, {step})
+    simulated = report_of(schedule, steps_for=local_steps(fact))
+
+    outputs = record_with(schedule, fact, tmp_path / "broken")
+    # The mistake itself: the recorded stages of replica 1 ran different shapes at `step`.
+    assert outputs[2].agreed[step] != outputs[3].agreed[step]
+    assert outputs[3].agreed[step].cg_mode is CUDAGraphMode.NONE
+
+    checked = check_logs(tmp_path / "broken")
+    assert (checked.ok, checked.exit_code) == (False, 1)
+    assert checked.finding is not None
+    assert assert_names_the_divergence(checked.finding, schedule, fact) == simulated
+    assert checked.text == simulated.render()
+
+    assert cli_main(["check", str(tmp_path / "broken")]) == 1
+    assert capsys.readouterr().out.strip() == simulated.render()
+
+    # The same schedule with no stage-local fact: every column agrees.
+    record_with(schedule, no_local_fact, tmp_path / "correct")
+    assert check_logs(tmp_path / "correct").exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("pp", "dp_size", "microbatch"), [(2, 2, False), (3, 2, False), (2, 3, True)]
+)
+def test_ff7_purepps_own_program_gives_the_stages_of_a_replica_one_decision(
+    pp: int, dp_size: int, microbatch: bool
+) -> None:
+    config = ScheduleConfig(pp=pp, dp=dp_size, spec=1, steps=STEPS, seed=0, microbatch=microbatch)
+    schedule = make_schedule(config)
+    world = schedule.world
+
+    # Every stage decides from the replicated batch: one column, one decision per replica.
+    run = simulate_schedule(schedule)
+    for replica in range(dp_size):
+        stages = [run.outputs[rank].agreed for rank in world.pipeline(replica)]
+        assert all(agreed == stages[0] for agreed in stages)
+    assert first_divergence(schedule, no_local_fact) is None
+
+    # One stage-local fact on the last stage of the last replica is caught.
+    last = world.rank_of(pp_stage=pp - 1, dp_index=dp_size - 1)
+    fact = eager_on({last}, {captured_step(schedule, dp_size - 1)})
+    assert_names_the_divergence(report_of(schedule, steps_for=local_steps(fact)), schedule, fact)
+
+
+def test_ff7_stages_that_agree_over_the_pipeline_decide_alike_despite_a_stage_local_fact() -> None:
+    schedule = schedule_of(pp=2, dp_size=2, spec=0)
+    world = schedule.world
+    step = captured_step(schedule, replica=1)
+    fact = eager_on({3}, {step})
+
+    # Over DP groups, stage 1's own fact splits replica 1 ...
+    report = report_of(schedule, steps_for=local_steps(fact))
+    assert isinstance(report, StageDivergenceReport)
+    assert (report.replica, report.step) == (1, step)
+
+    # ... over the pipeline (PP_CPU, as the README example), both stages read one table:
+    # the columns differ by design, nothing is reported, and both run eager at `step`.
+    run = simulate_schedule(schedule, steps_for=local_steps(fact, over_pipeline=world))
+    for replica in range(world.dp):
+        stage0, stage1 = (run.outputs[rank].agreed for rank in world.pipeline(replica))
+        assert stage0 == stage1
+    assert run.outputs[3].agreed[step].cg_mode is CUDAGraphMode.NONE
+    assert all(
+        e.comm is Communicator.PP_CPU
+        for effects in run.simulation.effects
+        for e in effects
+        if isinstance(e, AllReduce)
+    )
+
+
+def agreement(rank_column: list[int], *, replica: int, step: int, lane: dp.Lane) -> AllReduce:
+    """An all-reduce of a seed-table contribution in a dp=2 world."""
+    table = np.zeros((dp.TABLE_ROWS, 2), dtype=np.int32)
+    table[:, replica] = rank_column
+    comm = Communicator.DP_CPU if lane is dp.Lane.TARGET else Communicator.DP_DRAFTER_CPU
+    return AllReduce(
+        step=step,
+        op=Op.AGREE,
+        contribution=table,
+        result=BufferRef(f"dp.{lane.value}.step{step}.table"),
+        comm=comm,
+        work=None,
+    )
+
+
+WORKING = [8, int(CUDAGraphMode.FULL), 1, -1, 8]  # a uniform decode of 8 requests
+EAGER = [8, int(CUDAGraphMode.NONE), 1, -1, 8]  # the same batch, forced eager
+IDLE = [0, int(CUDAGraphMode.NONE), 0, -1, 0]  # the neutral column of an idle rank
+
+
+TARGET, DRAFTER = dp.Lane.TARGET, dp.Lane.DRAFTER
+FF7_WORLD = Layout(pp=2, dp=2)  # replica 1: stage 0 is rank 2, stage 1 is rank 3
+
+
+def test_ff7_the_target_and_drafter_lanes_are_never_compared_with_each_other() -> None:
+    stages = StageAgreements(FF7_WORLD)
+    for rank in (0, 1):  # replica 0 agrees on both lanes
+        for lane in (TARGET, DRAFTER):
+            assert stages.post(rank, agreement(WORKING, replica=0, step=4, lane=lane)) is None
+    assert stages.post(2, agreement(WORKING, replica=1, step=4, lane=TARGET)) is None
+    assert stages.post(3, agreement(EAGER, replica=1, step=4, lane=DRAFTER)) is None
+    assert stages.post(3, agreement(WORKING, replica=1, step=4, lane=TARGET)) is None
+    found = stages.post(2, agreement(IDLE, replica=1, step=4, lane=DRAFTER))
+
+    assert isinstance(found, StageDivergenceReport)
+    assert (found.replica, found.step, found.lane) == (1, 4, "drafter")
+    assert found.comm is Communicator.DP_DRAFTER_CPU
+    assert [(c.rank, c.column) for c in found.columns] == [(2, tuple(IDLE)), (3, tuple(EAGER))]
+    assert found.differing == ("num_tokens", "uniform_token_count", "num_reqs")
+    assert "drafter lane (all_reduce on dp_drafter_cpu, agree)" in found.render()
+
+
+def test_ff7_idle_absent_single_stage_and_pipeline_agreements_are_no_divergence() -> None:
+    # Idle stages contribute the neutral column; a whole idle replica agrees with itself ...
+    stages = StageAgreements(FF7_WORLD)
+    assert stages.post(0, agreement(IDLE, replica=0, step=0, lane=TARGET)) is None
+    assert stages.post(1, agreement(IDLE, replica=0, step=0, lane=TARGET)) is None
+    # ... and one stage idle where the other works is a divergence.
+    found = stages.post(1, agreement(WORKING, replica=0, step=1, lane=TARGET))
+    assert found is None
+    found = stages.post(0, agreement(IDLE, replica=0, step=1, lane=TARGET))
+    assert found is not None
+    assert found.differing == ("num_tokens", "cg_mode", "uniform_token_count", "num_reqs")
+
+    # A stage that never posts (it died) is compared with nothing; the other runs on.
+    stages = StageAgreements(FF7_WORLD)
+    for step in range(3000):
+        assert stages.post(2, agreement(WORKING, replica=1, step=step, lane=TARGET)) is None
+    assert stages.held is None
+
+    # An agreement over PP_CPU spans the stages already: their columns differ by design.
+    stages = StageAgreements(FF7_WORLD)
+    for rank in (0, 1):
+        over_pp = attrs.evolve(
+            agreement(WORKING if rank == 0 else EAGER, replica=rank, step=0, lane=TARGET),
+            comm=Communicator.PP_CPU,
+        )
+        assert stages.post(rank, over_pp) is None
+
+    # With one stage per replica there is nothing to compare.
+    solo = StageAgreements(Layout(pp=1, dp=2))
+    assert solo.post(0, agreement(WORKING, replica=0, step=0, lane=TARGET)) is None
+    assert solo.post(1, agreement(EAGER, replica=1, step=0, lane=TARGET)) is None
+
+
+def test_ff7_a_divergence_waits_for_earlier_agreements_a_stage_behind_has_not_posted() -> None:
+    # Replica 1's stage 1 runs behind: a divergence at step 5 in replica 0 waits while
+    # replica 1's step 4 is incomplete, and gives way to the one found there.
+    stages = StageAgreements(FF7_WORLD)
+    for rank in (0, 1):
+        assert stages.post(rank, agreement(WORKING, replica=0, step=4, lane=TARGET)) is None
+    assert stages.post(2, agreement(WORKING, replica=1, step=4, lane=TARGET)) is None
+    assert stages.post(2, agreement(WORKING, replica=1, step=5, lane=TARGET)) is None
+    assert stages.post(0, agreement(WORKING, replica=0, step=5, lane=TARGET)) is None
+    assert stages.post(1, agreement(EAGER, replica=0, step=5, lane=TARGET)) is None
+    held = stages.held
+    assert held is not None
+    assert (held.replica, held.step) == (0, 5)
+    first = stages.post(3, agreement(EAGER, replica=1, step=4, lane=TARGET))
+    assert first is not None
+    assert (first.replica, first.step) == (1, 4)
+
+    # A divergence nothing can precede is returned at once ...
+    stages = StageAgreements(FF7_WORLD)
+    assert stages.post(0, agreement(WORKING, replica=0, step=0, lane=TARGET)) is None
+    found = stages.post(1, agreement(EAGER, replica=0, step=0, lane=TARGET))
+    assert found is not None
+    assert (found.replica, found.step, found.differing) == (0, 0, ("cg_mode",))
+
+    # ... and one in replica 1 once replica 0's stages have posted that step too (its
+    # stages may post after replica 1's did, and a divergence there comes first).
+    stages = StageAgreements(FF7_WORLD)
+    assert stages.post(2, agreement(WORKING, replica=1, step=0, lane=TARGET)) is None
+    assert stages.post(3, agreement(EAGER, replica=1, step=0, lane=TARGET)) is None
+    assert stages.post(0, agreement(WORKING, replica=0, step=0, lane=TARGET)) is None
+    found = stages.post(1, agreement(WORKING, replica=0, step=0, lane=TARGET))
+    assert found is not None
+    assert (found.replica, found.step) == (1, 0)
+
+
+def both_lanes(eager_drafter: set[tuple[int, int]]) -> RankProgram:
+    """Every rank agrees each step's target shape, then the drafter's afresh on its own
+    lane (no reused sync); the drafter of (rank, step) in `eager_drafter` forces eager."""
+    dispatcher = CudaGraphDispatcher(
+        capture_sizes=CAPTURE_SIZES, capture_mode=CaptureMode.FULL, max_num_reqs=4
+    )
+
+    def program(context: RankContext) -> Iterator[tuple[Effect, ...]]:
+        group = dp.AgreementGroup(dp_size=context.world.dp, dp_rank=context.replica)
+        lanes = dp.AgreementLanes()
+        for step in range(3):
+            for lane in (TARGET, DRAFTER):
+                eager = lane is DRAFTER and (context.rank, step) in eager_drafter
+                batch = dp.RankBatch(num_reqs=2, num_tokens=2, need_eager=eager)
+                started = dp.start_agreement(lanes, group, dispatcher, batch, step=step, lane=lane)
+                yield started.effects
+                assert started.result.table is not None
+                table = context.interpreter.host_array(started.result.table)
+                finished = dp.finish_agreement(started.state, started.result, table)
+                yield finished.effects
+                lanes = finished.state
+
+    return program
+
+
+def test_ff7_a_drafter_that_forces_eager_on_one_stage_is_named_on_the_drafter_lane() -> None:
+    world = FF7_WORLD
+    simulate(world, both_lanes(set()))  # every stage's drafter agrees: nothing to report
+
+    with pytest.raises(CollectiveReportError) as caught:
+        simulate(world, both_lanes({(1, 1), (3, 1)}))  # stage 1's drafters, at step 1
+
+    report = caught.value.report
+    assert isinstance(report, StageDivergenceReport)
+    assert (report.replica, report.step, report.lane) == (0, 1, "drafter")
+    assert report.comm is Communicator.DP_DRAFTER_CPU
+    assert [c.rank for c in report.columns] == [0, 1]
+    assert report.differing == ("cg_mode",)
+    assert "step 1, drafter lane (all_reduce on dp_drafter_cpu, agree)" in report.render()
+
+
+def posted(rank: int, effect: AllReduce) -> PostedCollective:
+    return PostedCollective(rank, effect, np.empty(0))
+
+
+def test_ff7_the_hub_both_drivers_share_raises_the_divergence() -> None:
+    hub = CollectiveHub(FF7_WORLD, call="check", move_data=False)
+    hub.post(posted(0, agreement(WORKING, replica=0, step=0, lane=TARGET)))
+    with pytest.raises(CollectiveReportError) as caught:
+        hub.post(posted(1, agreement(EAGER, replica=0, step=0, lane=TARGET)))
+    assert isinstance(caught.value.report, StageDivergenceReport)
+    assert caught.value.report.replica == 0
+
+    # A divergence held for a stage that never posts is raised when the run ends.
+    hub = CollectiveHub(FF7_WORLD, call="check", move_data=False)
+    # (Rank 1, stage 1 of replica 0, never posts: replica 0 may still diverge first.)
+    posts = ((0, WORKING, 0), (0, WORKING, 1), (2, WORKING, 0), (2, WORKING, 1), (3, EAGER, 1))
+    for rank, column, step in posts:
+        made = agreement(column, replica=FF7_WORLD.dp_index(rank), step=step, lane=TARGET)
+        hub.post(posted(rank, made))
+    with pytest.raises(CollectiveReportError) as caught:
+        hub.raise_held()
+    assert isinstance(caught.value.report, StageDivergenceReport)
+    assert (caught.value.report.replica, caught.value.report.step) == (1, 1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 3),
+    pp=st.sampled_from([2, 3]),
+    dp_size=st.sampled_from([2, 3]),
+    eager=st.sets(st.tuples(st.integers(0, 8), st.integers(0, 7)), max_size=4),
+)
+def test_ff7_a_report_appears_iff_some_replicas_stages_contribute_different_columns(
+    seed: int, pp: int, dp_size: int, eager: set[tuple[int, int]]
+) -> None:
+    """Random stage-local facts (rank, step: forced eager): the simulator and `purepp
+    check` report the first divergence (step, then replica), and only when some
+    replica's stages contribute different columns."""
+    schedule = make_schedule(ScheduleConfig(pp=pp, dp=dp_size, spec=0, steps=8, seed=seed))
+    flagged = {(rank % schedule.world.world_size, step) for rank, step in eager}
+
+    def fact(
+        rank: int, step: int, dispatcher: Dispatcher, batch: dp.RankBatch
+    ) -> tuple[Dispatcher, dp.RankBatch]:
+        if (rank, step) in flagged:
+            return dispatcher, attrs.evolve(batch, need_eager=True)
+        return dispatcher, batch
+
+    with tempfile.TemporaryDirectory() as directory:
+        record_with(schedule, fact, Path(directory))
+        checked = check_logs(directory)
+    if first_divergence(schedule, fact) is None:
+        simulate_schedule(schedule, steps_for=local_steps(fact))
+        assert checked.exit_code == 0
+    else:
+        simulated = report_of(schedule, steps_for=local_steps(fact))
+        assert_names_the_divergence(simulated, schedule, fact)
+        assert checked.finding == simulated

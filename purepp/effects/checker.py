@@ -14,8 +14,10 @@ only in its digits is not validated again, and records that never wait are not b
 Outcomes (`CheckReport.exit_code`):
 - 0: every collective matched on every communicator;
 - 1: a finding: a mismatch (classified, with its culprit rank), a deadlock (with its
-  wait-for cycle), a log that ends mid-record (the rank died while writing; the report
-  says what every rank was waiting on), or logs that recorded nothing;
+  wait-for cycle), the stages of one replica contributing different columns to one
+  agreement (a stage divergence: they would run different shapes), a log that ends
+  mid-record (the rank died while writing; the report says what every rank was waiting
+  on), or logs that recorded nothing;
 - 2: the logs cannot be used: unreadable, corrupted before their last line, of other
   runs or configs mixed in one folder, or a rank missing.
 """
@@ -213,7 +215,9 @@ class _Check:
                 for rank in self._ranks:
                     progressed |= self._advance(rank)
                 if not progressed:
+                    self._hub.raise_held()  # a stage divergence found earlier comes first
                     return self._stuck()
+            self._hub.raise_held()
         except CollectiveReportError as error:
             return self._finding(error.report)
         return self._completed()

@@ -13,6 +13,11 @@ and the log checker, offline, over whole per-rank effect logs
 (`DeadlockReport`, `RingOverrunReport`) live here too, so every report a caller
 may receive is in one place, carried by `CollectiveReportError`.
 
+One disagreement no collective shows is compared here as well (`StageAgreements`):
+the stages of one replica agree their batch shape in separate DP groups, so a
+stage-local fact in one stage's column matches every collective and still makes
+the stages run different shapes (`StageDivergenceReport`, field failure 7).
+
 Communicator instances in a PP x DP world (`purepp.layout.Layout`: global
 rank = dp_index * pp + pp_stage): PP_RELAY and PP_CPU groups are the stages of
 one DP replica; DP_CPU and DP_DRAFTER_CPU groups (two lanes over the same ranks)
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import TypeAlias, assert_never
+from typing import Final, TypeAlias, assert_never
 
 import attrs
 
@@ -41,6 +46,7 @@ from purepp.errors import CollectiveMismatchError, InvalidInputError
 from purepp.layout import Layout
 
 __all__ = [
+    "AGREEMENT_ROWS",
     "AwaitedCollective",
     "CollectiveKind",
     "CollectiveReportError",
@@ -52,6 +58,9 @@ __all__ = [
     "MismatchReport",
     "Report",
     "RingOverrunReport",
+    "StageAgreements",
+    "StageColumn",
+    "StageDivergenceReport",
     "WaitCycle",
     "WaitEdge",
     "Waiter",
@@ -501,7 +510,285 @@ class RingOverrunReport:
         )
 
 
-Report: TypeAlias = MismatchReport | DeadlockReport | RingOverrunReport
+# -- field failure 7: the stages of one replica agree in separate groups -----------------
+
+# The agreement table's rows by the table's row count: the seed's five and the newest
+# vLLM's six (purepp.dp's ROW_* constants; this layer does not import the core).
+AGREEMENT_ROWS: Final[Mapping[int, tuple[str, ...]]] = {
+    5: ("num_tokens", "cg_mode", "uniform_token_count", "max_query_len", "num_reqs"),
+    6: (
+        "num_tokens",
+        "cg_mode",
+        "uniform_token_count",
+        "max_query_len",
+        "allow_ubatching",
+        "num_reqs",
+    ),
+}
+# purepp.cudagraph.CUDAGraphMode's values, named in a rendered column.
+_CG_MODE_NAMES: Final = {0: "NONE", 1: "PIECEWISE", 2: "FULL"}
+# The communicators an agreement runs over per stage: a DP group is one stage across the
+# replicas, so each stage of a replica decides from a table of its own. An agreement
+# over PP_CPU spans the replica's stages: they decide from one table.
+_PER_STAGE: Final = frozenset({Communicator.DP_CPU, Communicator.DP_DRAFTER_CPU})
+_LANE_OF_COMM: Final = {Communicator.DP_CPU: "target", Communicator.DP_DRAFTER_CPU: "drafter"}
+# Agreements held per lane while some stage has not posted them. A stage that never
+# posts one (it died, or decided at once from a reused sync) would hold it for ever;
+# no driver lets a stage run this far ahead of another, so the oldest is dropped.
+_STAGE_WINDOW: Final = 1024
+
+
+def _table(effect: AllReduce) -> tuple[tuple[int, ...], ...]:
+    rows: list[list[int]] = effect.contribution.tolist()
+    return tuple(tuple(row) for row in rows)
+
+
+@attrs.frozen(kw_only=True)
+class StageColumn:
+    """What one stage of a replica contributed to an agreement over its DP group."""
+
+    rank: int  # its global rank
+    stage: int  # its pipeline stage
+    table: tuple[tuple[int, ...], ...]  # its whole contribution, row by row
+    column: tuple[int, ...]  # the replica's column of it (empty when the table is narrower)
+
+    def describe(self, rows: Sequence[str]) -> str:
+        """E.g. `num_tokens=3, cg_mode=2 (FULL), ...`, or the raw column for unknown rows."""
+        if len(rows) != len(self.column):
+            return f"column {list(self.column)}"
+        return ", ".join(
+            f"{name}={value} ({_CG_MODE_NAMES[value]})"
+            if name == "cg_mode" and value in _CG_MODE_NAMES
+            else f"{name}={value}"
+            for name, value in zip(rows, self.column, strict=True)
+        )
+
+
+@attrs.frozen(kw_only=True)
+class StageDivergenceReport:
+    """The stages of one replica contributed different columns to the same agreement.
+
+    In a PP x DP world each stage agrees its batch shape over its own DP group (that
+    stage across the replicas). A replica's stages are given the same batch, so their
+    columns are equal and they decide the same mode and padded token count, unless a
+    stage-local fact (need_eager on one stage, graphs not captured yet, other capture
+    sizes) entered one stage's column: then the stages run different shapes and the
+    activations they pass to each other never meet (field failure 7; vllm#45610,
+    #45094). Every collective of the agreement still matches, so no per-communicator
+    comparison can see it.
+    """
+
+    replica: int  # the DP replica whose stages diverged
+    pipeline: tuple[int, ...]  # its stages' global ranks, first stage first
+    step: int  # the agreement's decode step
+    op: Op  # the operation that emitted it
+    comm: Communicator  # the lane's communicator, one DP group per stage
+    lane: str  # the agreement lane: "target" or "drafter"
+    rows: tuple[str, ...]  # the table's row names (`AGREEMENT_ROWS`), "row i" if unknown
+    columns: tuple[StageColumn, ...]  # each stage that had posted it, by stage
+    differing: tuple[str, ...]  # rows whose values differ; empty: the tables differ elsewhere
+
+    def render(self) -> str:
+        lines = [
+            f"Stage divergence: replica {self.replica} (ranks {_ranks(self.pipeline)}),"
+            f" step {self.step}, {self.lane} lane (all_reduce on {self.comm.value},"
+            f" {self.op.value})",
+        ]
+        lines += [
+            f"  rank {c.rank} (stage {c.stage}) contributed {c.describe(self.rows)}"
+            for c in self.columns
+        ]
+        if self.differing:
+            lines.append(f"  they differ in: {', '.join(self.differing)}")
+        else:
+            lines.append(
+                f"  their tables differ outside column {self.replica}: "
+                + "; ".join(f"rank {c.rank} {[list(r) for r in c.table]}" for c in self.columns)
+            )
+        lines.append(
+            "  Each stage decides from its own DP group's table: the stages of replica"
+            f" {self.replica} run different CUDA-graph modes or padded token counts, and the"
+            " activations passed between them never meet."
+        )
+        return "\n".join(lines)
+
+    def fix(self) -> str:
+        return (
+            "decide every value of the column from facts replicated on all stages of a"
+            " pipeline (the batch, configuration shared by every stage), never a stage's own"
+            " (need_eager, captured graphs, capture sizes); or agree over the pipeline too:"
+            " AgreementGroup(..., comm=Communicator.PP_CPU)"
+        )
+
+
+# An agreement's identity within a world: (replica, the lane's communicator, operation).
+# Each lane has its own communicator (purepp.dp refuses one shared), so the target's and
+# the drafter's agreements are kept apart by it.
+_AgreementKey: TypeAlias = tuple[int, Communicator, Op]
+
+
+class _Agreements:
+    """One replica's agreements on one lane: those some stage has not posted yet."""
+
+    __slots__ = ("last", "pending")
+
+    def __init__(self, pp: int) -> None:
+        # step -> stage -> its all-reduce, until every stage posted that step's
+        self.pending: dict[int, dict[int, AllReduce]] = {}
+        self.last = [-1] * pp  # by stage, the last step it posted (-1: none yet)
+
+
+class StageAgreements:
+    """Compares the columns the stages of each replica contribute to per-stage agreements.
+
+    The simulator and the log checker (through `CollectiveHub`) `post` every all-reduce
+    as it is issued. A table that differs from another stage's for the same agreement
+    (replica, lane's communicator, step, operation) is a divergence; the first one, by
+    step and then replica, is returned once no earlier one can still be found: a stage
+    may run a few steps behind the others of its pipeline, and a replica's stages may
+    post a step after another replica's did. When a run ends or stops, `held` is the
+    divergence still waiting for a stage that never posted.
+
+    Only agreements over DP groups are compared: one over PP_CPU spans the stages
+    already. Idle stages take part like any other (their column is neutral, and equal
+    when the whole replica is idle); a dead stage posts nothing, so nothing of it is
+    compared; with pp=1 there is nothing to compare. The drafter's lane runs over its
+    own communicator, so it is never compared with the target's.
+
+    Not seen here: a stage-local fact that leaves the column alone (another dispatcher
+    whose mode matches but whose padding does not, different dead ranks marked on two
+    stages) changes only the decision, which no effect records; and with dp=1 a stage
+    decides alone, with no collective at all.
+    """
+
+    def __init__(self, world: Layout) -> None:
+        self._world = world
+        self._pp = world.pp
+        self._where: dict[int, tuple[int, int]] = {}  # rank -> (stage, replica), as met
+        self._lanes: dict[_AgreementKey, _Agreements] = {}
+        # the first divergence found so far: its agreement, step and report
+        self._held: tuple[_AgreementKey, int, StageDivergenceReport] | None = None
+
+    @property
+    def held(self) -> StageDivergenceReport | None:
+        """The first divergence found, not yet returned by `post` (an earlier agreement
+        was still incomplete); the report to give when the run ends or stops."""
+        return None if self._held is None else self._held[2]
+
+    def post(self, rank: int, effect: AllReduce) -> StageDivergenceReport | None:
+        """Note `rank`'s all-reduce; the first divergence once it is certain, else None."""
+        if effect.comm not in _PER_STAGE or self._pp == 1:
+            return None
+        where = self._where.get(rank)
+        if where is None:
+            world = self._world
+            where = self._where[rank] = (world.pp_stage(rank), world.dp_index(rank))
+        stage, replica = where
+        key = (replica, effect.comm, effect.op)
+        agreements = self._lanes.get(key)
+        if agreements is None:
+            agreements = self._lanes[key] = _Agreements(self._pp)
+        step = effect.step
+        agreements.last[stage] = max(agreements.last[stage], step)
+        steps = agreements.pending
+        posts = steps.get(step)
+        if posts is None:
+            steps[step] = {stage: effect}
+            if len(steps) > _STAGE_WINDOW:
+                del steps[next(iter(steps))]
+            return None if self._held is None else self._release()
+        # Compared with the first other stage that posted it (any: all before agreed).
+        reference = next((e for s, e in posts.items() if s != stage), None)
+        diverged = reference is not None and not _same_table(reference, effect)
+        if diverged:
+            posts = steps[step] = {**posts, stage: effect}  # the post that differs, reported
+        else:
+            posts.setdefault(stage, effect)
+        held = self._held
+        if held is not None and (held[0], held[1]) == (key, step):
+            # another stage of the held agreement: the report shows its column too
+            self._held = (key, step, self._report(key, step, posts))
+        elif diverged and (held is None or _order(key, step) < _order(held[0], held[1])):
+            self._held = (key, step, self._report(key, step, posts))
+        if len(posts) == self._pp:
+            del steps[step]  # every stage posted it
+        return None if self._held is None else self._release()
+
+    def _release(self) -> StageDivergenceReport | None:
+        """The held divergence once no agreement ordered before it can still diverge: the
+        lower replicas' stages have all posted its step, and no earlier one is incomplete."""
+        if self._held is None:
+            return None
+        key, step, report = self._held
+        replica, comm, op = key
+        for lower in range(replica):
+            agreements = self._lanes.get((lower, comm, op))
+            if agreements is None or min(agreements.last) < step:
+                return None
+        first = _order(key, step)
+        for other, held_back in self._lanes.items():
+            if any(_order(other, s) < first for s in held_back.pending):
+                return None
+        self._held = None
+        return report
+
+    def _report(
+        self, key: _AgreementKey, step: int, posts: Mapping[int, AllReduce]
+    ) -> StageDivergenceReport:
+        replica, comm, op = key
+        pipeline = self._world.pipeline(replica)
+        columns = []
+        for stage in sorted(posts):
+            table = _table(posts[stage])
+            column = (
+                tuple(row[replica] for row in table)
+                if all(replica < len(row) for row in table)
+                else ()
+            )
+            columns.append(
+                StageColumn(rank=pipeline[stage], stage=stage, table=table, column=column)
+            )
+        size = len(columns[0].table)
+        rows = AGREEMENT_ROWS.get(size, tuple(f"row {i}" for i in range(size)))
+        differing: tuple[str, ...] = ()
+        if all(len(c.column) == len(rows) for c in columns):
+            differing = tuple(
+                name for i, name in enumerate(rows) if len({c.column[i] for c in columns}) > 1
+            )
+        return StageDivergenceReport(
+            replica=replica,
+            pipeline=pipeline,
+            step=step,
+            op=op,
+            comm=comm,
+            lane=_lane_of(posts[min(posts)]),
+            rows=rows,
+            columns=tuple(columns),
+            differing=differing,
+        )
+
+
+def _same_table(a: AllReduce, b: AllReduce) -> bool:
+    x, y = a.contribution, b.contribution
+    return x.shape == y.shape and x.tobytes() == y.tobytes()
+
+
+def _order(key: _AgreementKey, step: int) -> tuple[int, int, int]:
+    """Which divergence is reported first: the lowest step, then replica, then lane."""
+    replica, comm, _ = key
+    return (step, replica, _COMM_ORDER[comm])
+
+
+def _lane_of(effect: AllReduce) -> str:
+    """The lane an agreement runs on: from its table's name (`dp.target.step7.table`, as
+    purepp.dp names it), else from the communicator's default lane."""
+    parts = effect.result.name.split(".")
+    if len(parts) > 2 and parts[0] == "dp" and parts[1]:
+        return parts[1]
+    return _LANE_OF_COMM.get(effect.comm, effect.comm.value)
+
+
+Report: TypeAlias = MismatchReport | DeadlockReport | RingOverrunReport | StageDivergenceReport
 
 
 class CollectiveReportError(CollectiveMismatchError):

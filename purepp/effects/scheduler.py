@@ -5,7 +5,9 @@ collectives to it in issue order; it compares each op's posts as they arrive
 (`check_posts`), completes an op once every member has posted it and it has reached
 the head of its stream on every member, and can say, for a stuck op, which members
 it waits for. That last answer is the wait-for graph (rank -> communicator -> rank)
-in which a cross-communicator order deadlock shows up as a cycle.
+in which a cross-communicator order deadlock shows up as a cycle. It also hands each
+all-reduce to `StageAgreements`, which reports the stages of one replica contributing
+different columns to their per-stage agreements (field failure 7).
 
 `StreamLanes` is one rank's streams with the interpreter's ordering rules and no
 data: collectives wait for the hub, stream and event waits for the counts of the
@@ -30,6 +32,7 @@ from purepp.effects.matching import (
     CollectiveReportError,
     CollectiveSignature,
     CommInstance,
+    StageAgreements,
     WaitEdge,
     check_posts,
     comm_instance,
@@ -100,7 +103,9 @@ class _Instance:
 class CollectiveHub:
     """Every communicator of the world: matches posts, completes ops, moves data if asked.
 
-    Posts that disagree raise `CollectiveReportError` naming `call`. With
+    Posts that disagree raise `CollectiveReportError` naming `call`, and so does an
+    all-reduce whose table differs from another stage's of its replica for the same
+    agreement (`StageAgreements`; pp > 1 only). With
     `compare_steps=False` the step labels are ignored when comparing (as on the wire)
     and the report shows them as labelled. `completed_ranks` collects the ranks
     whose posts completed since the caller last cleared it.
@@ -120,8 +125,27 @@ class CollectiveHub:
         # Whether every op's posts so far passed `check_posts` (with `compare_steps`),
         # each from a member of its group: cleared for good otherwise.
         self._agreed = True
+        # With one stage per replica there are no stages to compare.
+        self._stages = StageAgreements(world) if world.pp > 1 else None
 
     def post(self, posted: PostedCollective, /) -> None:
+        """Match `posted` with its peers' posts of the same op, then compare an agreement's
+        table with the other stages' of its replica."""
+        self._match(posted)
+        stages, effect = self._stages, posted.effect
+        if stages is not None and type(effect) is AllReduce:
+            divergence = stages.post(posted.rank, effect)
+            if divergence is not None:
+                raise CollectiveReportError.from_report(self._call, divergence)
+
+    def raise_held(self) -> None:
+        """Raise the stages' divergence held back for an agreement some stage never
+        posted (`StageAgreements.held`): call it when the run ends or cannot go on."""
+        held = None if self._stages is None else self._stages.held
+        if held is not None:
+            raise CollectiveReportError.from_report(self._call, held)
+
+    def _match(self, posted: PostedCollective) -> None:
         rank, effect = posted.rank, posted.effect
         state = self._by_member.get((rank, effect.comm))
         if state is None:

@@ -33,8 +33,12 @@ as every communicator:
 - When no rank can move and no collective can complete, the run stops with a
   `DeadlockReport` naming every stuck rank and stream, the op it waits at, and
   the collective it comes down to.
+- The stages of one replica agree their batch shape in separate DP groups, so
+  their columns are compared too: the first agreement (by step, then replica) to
+  which they contributed different columns stops the run with a
+  `StageDivergenceReport` (field failure 7), before any deadlock or overrun.
 
-All three reports are raised in a `CollectiveReportError` (a
+All four reports are raised in a `CollectiveReportError` (a
 `CollectiveMismatchError`) whose message is the report's rendering. A received relay
 header that differs from the receiver's own stops the run with `HeaderMismatchError`
 (also a `CollectiveMismatchError`), raised by that rank's interpreter.
@@ -194,7 +198,9 @@ class _Simulation:
             for rank in self._ranks:
                 progressed |= self._advance(rank)
             if not progressed:
+                self._hub.raise_held()  # a divergence found before the run stopped comes first
                 raise CollectiveReportError.from_report(_CALL, self._deadlock())
+        self._hub.raise_held()
         return SimulationResult(
             world=self._world,
             interpreters=tuple(r.interpreter for r in self._ranks),
@@ -285,6 +291,7 @@ class _Simulation:
             max_steps_in_flight=self._in_flight,
             peers_at=tuple((r, self._ranks[r].at_step()) for r in live),
         )
+        self._hub.raise_held()
         raise CollectiveReportError.from_report(_CALL, report)
 
     def _waiter(self, rank: _Rank, stall: Stall) -> Waiter:
@@ -391,7 +398,7 @@ def simulate(
     program that pairs different steps would do.
 
     Raises `CollectiveReportError` (a `CollectiveMismatchError`) carrying a
-    `MismatchReport`, `RingOverrunReport` or `DeadlockReport`, or
+    `MismatchReport`, `RingOverrunReport`, `DeadlockReport` or `StageDivergenceReport`, or
     `HeaderMismatchError` when a relay header check fails.
     """
     if not isinstance(world, Layout):
