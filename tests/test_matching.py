@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -163,6 +164,23 @@ def test_sender_width_mismatch_is_reported_at_the_op_that_diverged() -> None:
     # Both receivers posted the padded width: the sender is the odd one out.
     assert (report.classification, report.culprit) == (MismatchClass.SIZE, 2)
     assert report.fix().startswith("derive wire shapes and dtypes from static configuration")
+
+
+def test_stages_relaying_batches_of_different_rows_are_told_to_share_the_batch() -> None:
+    world = relay_world(2, steps=3)
+    sent = world[1][1]
+    assert isinstance(sent, Broadcast)
+    world[1][1] = attrs.evolve(sent, shape=(ROWS - 1, WIRE_WIDTH))  # the sender's batch is short
+    report = match_collectives(world, Layout(pp=2, dp=1))
+
+    assert report is not None
+    assert report.differing == (MismatchField.SHAPE,)
+    assert report.fix().startswith("pass every stage of a pipeline the same BatchFacts")
+    assert "RelayConfig(validate_header=True)" in report.fix()
+    # Another width is not a batch mismatch: the padding one stays (FIELD_FAILURES row 1).
+    other = match_collectives(relay_world(2, steps=3, plain_step=1), Layout(pp=2, dp=1))
+    assert other is not None
+    assert other.fix().startswith("derive wire shapes and dtypes from static configuration")
 
 
 def test_two_ranks_that_disagree_name_no_culprit() -> None:

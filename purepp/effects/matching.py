@@ -309,6 +309,20 @@ class MismatchReport:
     def fix(self) -> str:
         if self.received is None and self.missing:
             return "make every member issue this collective at the same step, idle ranks included"
+        received = self.received
+        if (
+            self.differing == (MismatchField.SHAPE,)
+            and self.comm is Communicator.PP_RELAY
+            and received is not None
+            and self.expected.shape[1:] == received.shape[1:]
+        ):
+            # Only the rows differ: a relay's rows are the step's batch, which the stages
+            # of a pipeline must share (the caller's mistake, not the wire's).
+            return (
+                "pass every stage of a pipeline the same BatchFacts at each step (the relay's "
+                "rows are the batch's); RelayConfig(validate_header=True) stops it on real "
+                "ranks, whose broadcasts compare no shapes"
+            )
         if MismatchField.SHAPE in self.differing or MismatchField.DTYPE in self.differing:
             return "derive wire shapes and dtypes from static configuration shared by all ranks"
         return "issue the same collectives in the same order on every member of the group"
