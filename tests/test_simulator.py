@@ -1029,6 +1029,32 @@ def test_an_async_all_reduce_never_waited_on_is_reported() -> None:
     assert pending.missing == (1,)
 
 
+def test_an_async_all_reduce_every_rank_posted_and_none_waited_on_is_named() -> None:
+    # An overlapped loop that starts the next step's agreement during its last step too.
+    def program(ctx: RankContext) -> Iterator[tuple[Effect, ...]]:
+        yield (
+            AllReduce(
+                step=5,
+                op=Op.AGREE,
+                contribution=np.zeros((1, 2), np.int32),
+                result=BufferRef("dp.step5.table"),
+                comm=Communicator.DP_CPU,
+                work=WorkRef("dp.step5.work"),
+            ),
+        )
+
+    with pytest.raises(CollectiveMismatchError) as error:
+        simulate(Layout(pp=1, dp=2), program)
+    report = report_of(error)
+    assert isinstance(report, DeadlockReport)
+    assert (report.waiters, report.pending, report.finished) == ((), (), (0, 1))
+    assert [(rank, effect.step) for rank, effect in report.unwaited] == [(0, 5), (1, 5)]
+    lines = report.render().splitlines()
+    assert "  asynchronous all-reduces never waited on:" in lines
+    assert "    rank 1: work 'dp.step5.work' (step 5, agree)" in lines
+    assert report.fix().startswith("complete every asynchronous all-reduce with its WaitWork")
+
+
 # ---- simulate's own checks --------------------------------------------------------------
 
 

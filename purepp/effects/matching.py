@@ -458,6 +458,8 @@ class DeadlockReport:
     finished: tuple[int, ...]  # ranks whose program ended
     at_steps: tuple[int | None, ...]  # by rank: the step it is working on; None if finished
     cycle: WaitCycle | None = None  # ranks waiting on each other round a loop, if any
+    # (rank, the AllReduce) of each asynchronous all-reduce no WaitWork completed
+    unwaited: tuple[tuple[int, AllReduce], ...] = ()
 
     def render(self) -> str:
         lines = ["Deadlock: no rank can make progress and no collective can complete."]
@@ -471,6 +473,14 @@ class DeadlockReport:
             lines += [f"    {awaited.describe()}" for awaited in others]
         if self.finished:
             lines.append(f"  finished their program: rank(s) {_ranks(self.finished)}")
+        if self.unwaited:
+            lines.append("  asynchronous all-reduces never waited on:")
+            lines += [
+                f"    rank {rank}: work {effect.work.name!r}"
+                f" (step {effect.step}, {effect.op.value})"
+                for rank, effect in self.unwaited
+                if effect.work is not None
+            ]
         steps = ", ".join(
             f"rank {r}: {'finished' if n is None else n}" for r, n in enumerate(self.at_steps)
         )
@@ -482,6 +492,11 @@ class DeadlockReport:
             return (
                 "issue collectives on every communicator in one order on every rank"
                 " (NCCL asks for one issue order across communicators)"
+            )
+        if self.unwaited and not self.waiters and not self.pending:
+            return (
+                "complete every asynchronous all-reduce with its WaitWork before the program "
+                "ends (the overlapped rank step starts no agreement during its last step)"
             )
         return (
             "make every member of each communicator issue the same collectives in the same"

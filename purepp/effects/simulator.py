@@ -330,6 +330,12 @@ class _Simulation:
             finished=tuple(r.context.rank for r in self._ranks if r.finished and not r.pending),
             at_steps=tuple(r.at_step() for r in self._ranks),
             cycle=find_wait_cycle(self._wait_edges(waiters)),
+            unwaited=tuple(
+                (r.context.rank, posted.effect)
+                for r in self._ranks
+                for posted in r.interpreter.unfinished_works()
+                if isinstance(posted.effect, AllReduce)
+            ),
         )
 
     def _wait_edges(self, waiters: list[Waiter]) -> list[WaitEdge]:
