@@ -347,6 +347,20 @@ def _check_agree(
         )
 
 
+def _check_not_started(call: str, begun: Begun) -> None:
+    """A step whose agreement is in flight settles it: starting another is refused by the
+    lane too, but naming dp's calls and not the rank step's."""
+    agreeing = begun.agreeing
+    if agreeing is not None:
+        raise dp.LaneBusyError(
+            call,
+            f"step {begun.relay.step} already has step {agreeing.step}'s agreement in flight "
+            "(started by start_agreement_phase, or by start_next_agreement the step before)",
+            "settle it: settle(config, begun, io, freed=...) (RankDriver.settle) in place of "
+            "agree or another start",
+        )
+
+
 def _expect_steps(call: str, steps: object) -> None:
     # isinstance, not type(): a research runner may pass a subclass of RankSteps.
     if not isinstance(steps, RankSteps):
@@ -403,6 +417,7 @@ def agree(
     _check_agree("agree", config, ("begun", begun, Begun), batch, shape)
     _expect_io("agree", io)
     _expect_steps("agree", steps)
+    _check_not_started("agree", begun)
     begun = attrs.evolve(begun, relay=steps.free(config.relay, begun.relay, freed).state)
     begun = yield from start_agreement_phase(
         config, begun, batch, shape, asynchronous=False, steps=steps
@@ -427,6 +442,7 @@ def start_agreement_phase(
     """
     _check_agree("start_agreement_phase", config, ("begun", begun, Begun), batch, shape)
     _expect_steps("start_agreement_phase", steps)
+    _check_not_started("start_agreement_phase", begun)
     lanes, agreeing = yield from _start(
         config,
         begun.lanes,

@@ -292,10 +292,21 @@ def test_a_second_start_on_a_busy_lane_raises_before_issuing_anything() -> None:
     state = rank.perform_phase(rank.finish(config, ahead, io), recorder)
     begun = rank.perform_phase(rank.begin(config, state), recorder)
     assert begun.agreeing == ahead.ahead
-    with pytest.raises(dp.LaneBusyError):
-        next(rank.start_agreement_phase(config, begun, following.batch, _shape(following)))
-    with pytest.raises(dp.LaneBusyError):
-        next(rank.agree(config, begun, following.batch, _shape(following), io))
+    phases: tuple[tuple[str, rank.StepPhase[object]], ...] = (
+        (
+            "start_agreement_phase",
+            rank.start_agreement_phase(config, begun, following.batch, _shape(following)),
+        ),
+        ("agree", rank.agree(config, begun, following.batch, _shape(following), io)),
+    )
+    for call, phase in phases:
+        with pytest.raises(
+            dp.LaneBusyError, match=rf"^{call}: step 1 already has step 1's agreement in flight"
+        ) as caught:
+            next(phase)
+        assert "settle it: settle(config, begun, io, freed=...) (RankDriver.settle)" in str(
+            caught.value
+        )
     # The one in flight still settles, at the agreement it started.
     settled = rank.perform_phase(rank.settle(config, begun, io), recorder)
     assert settled.lanes == dp.AgreementLanes()
