@@ -805,7 +805,8 @@ class RankDriver(Generic[T]):
                 f"RankDriver.{call}",
                 f"{_described(given)} is not the value this driver last returned "
                 f"({_described(last)}): it was used already, or is stale",
-                "pass each phase the value the phase before it returned, once",
+                "pass each phase the value the phase before it returned, once: next, "
+                f"{_NEXT_CALLS[type(last)]} that {type(last).__name__}",
             )
         answer = perform_phase(phase, self.interpreter)
         self._handed_out = answer
@@ -842,6 +843,14 @@ class RankDriver(Generic[T]):
     def finish(self, agreed: Agreed, sampled: Sampled[T] | None = None) -> RankState:
         phase = finish(self.config, agreed, self.io, sampled, self.steps)
         return self._perform("finish", agreed, phase)
+
+
+# What a driver takes next, by the type of the value it last returned.
+_NEXT_CALLS: dict[type, str] = {
+    RankState: "begin",
+    Begun: "agree, start or settle",
+    Agreed: "start_next or finish",
+}
 
 
 def _described(value: object) -> str:

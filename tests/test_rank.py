@@ -269,11 +269,15 @@ def test_the_driver_takes_each_phase_value_once_and_refuses_a_stale_one() -> Non
             again()
         assert "driver last returned (the RankState of step 1)" in str(caught.value)
         assert "pass each phase the value the phase before it returned, once" in str(caught.value)
+        assert str(caught.value).endswith("next, begin that RankState")
     # Nothing was issued, and the driver goes on from the value it last returned.
     assert world.issued() == issued
     begun = driver.begin(state)
     assert driver.agree(begun, world.schedule.at(1, 0).batch, shape_of(world.schedule, 1))
-    with pytest.raises(InvalidInputError, match=r"RankDriver\.begin: the RankState of step 1"):
+    with pytest.raises(
+        InvalidInputError,
+        match=r"RankDriver\.begin: the RankState of step 1.*next, start_next or finish that Agreed",
+    ):
         driver.begin(state)
 
 
