@@ -7,7 +7,7 @@ import os
 from purepp._checks import check_interpreter
 from purepp._text import a_type
 from purepp.effects.interpreter import Interpreter
-from purepp.effects.logfile import as_path, header_json, os_reason, record_lines
+from purepp.effects.logfile import as_path, header_json, load_log, os_reason, record_lines
 from purepp.effects.logmodel import EffectLog, LogHeader, LogRecord, Numbering
 from purepp.effects.vocabulary import Effect, effect_batch
 from purepp.errors import InvalidInputError
@@ -24,7 +24,8 @@ class Recorder:
     With no `inner` it only records. With `path`, the file is at every moment a
     valid log of what has been recorded, byte for byte what `dump_log(recorder.log)`
     would write (a kill mid-write leaves a cut last line, which `purepp check` reads
-    up to the cut).
+    up to the cut), and the records live there only: memory stays flat over a long run,
+    and `log` reads the file back.
     """
 
     def __init__(
@@ -47,7 +48,9 @@ class Recorder:
         self._inner = inner
         self._path = None if path is None else as_path("Recorder", "path", path)
         self._numbering = Numbering()
+        # Held in memory only without a path; with one, the file holds them.
         self._records: list[LogRecord] = []
+        self._count = 0  # records recorded, the next one's index
         if self._path is not None:
             try:
                 self._path.write_text(header_json(header) + "\n", encoding="ascii")
@@ -64,7 +67,9 @@ class Recorder:
 
     @property
     def log(self) -> EffectLog:
-        """Everything recorded so far."""
+        """Everything recorded so far (read back from the file, when writing one)."""
+        if self._path is not None:
+            return load_log(self._path)
         return EffectLog(self._header, tuple(self._records))
 
     def perform(self, effects: tuple[Effect, ...], /) -> None:
@@ -74,10 +79,12 @@ class Recorder:
         numbering = self._numbering.copy()
         new_records = [numbering.number(effect) for effect in effects]
         if self._path is not None:
-            lines = record_lines("Recorder.perform", new_records, len(self._records))
+            lines = record_lines("Recorder.perform", new_records, self._count)
             with self._path.open("a", encoding="ascii") as file:
                 file.write("".join(lines))
+        else:
+            self._records.extend(new_records)
         self._numbering = numbering
-        self._records.extend(new_records)
+        self._count += len(new_records)
         if self._inner is not None:
             self._inner.perform(effects)
