@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from types import GeneratorType
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
 import numpy as np
@@ -589,13 +589,16 @@ def finish(
     config: RankConfig,
     agreed: Agreed,
     io: StepIO[T],
-    sampled: Sampled[T] | None = None,
+    sampled: Sampled[T] | Sampled[object] | None = None,
     steps: RankSteps = REAL_STEPS,
 ) -> StepPhase[RankState]:
     """Phase 3: receive (non-last stages) or broadcast (last stage), then end the step.
 
     `sampled` is the last stage's outputs, None when its forward produced nothing (an
     idle step). A fresh slot mapping is bound each step: the ring keeps it until consumed.
+    A `Sampled[object]` is taken too: mypy infers one for numpy arrays of int64 tokens
+    and int32 counts (it joins the two array types to object), and a caller's mistake
+    there is a typed error at bind; a `Sampled` of another tensor type is still refused.
     """
     call = "finish"
     _expect(call, "config", config, RankConfig)
@@ -655,7 +658,7 @@ def _broadcast(
     *,
     batch: BatchFacts,
     io: StepIO[T],
-    sampled: Sampled[T],
+    sampled: Sampled[Any],  # checked by the caller: T, or object (see finish)
     steps: RankSteps,
 ) -> StepPhase[RelayState]:
     inputs = config.inputs
@@ -840,7 +843,9 @@ class RankDriver(Generic[T]):
         phase = settle(self.config, begun, self.io, freed=freed, steps=self.steps)
         return self._perform("settle", begun, phase)
 
-    def finish(self, agreed: Agreed, sampled: Sampled[T] | None = None) -> RankState:
+    def finish(
+        self, agreed: Agreed, sampled: Sampled[T] | Sampled[object] | None = None
+    ) -> RankState:
         phase = finish(self.config, agreed, self.io, sampled, self.steps)
         return self._perform("finish", agreed, phase)
 

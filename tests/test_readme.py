@@ -115,6 +115,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from purepp.effects.io import NumpyIO
 from purepp.effects.numpy_interpreter import NumpyInterpreter
@@ -127,19 +128,23 @@ def finish(config: RankConfig, agreed: Agreed) -> None:
     tokens = np.zeros((2, 1), dtype=np.int64)
     counts = np.ones(2, dtype=np.int32)
     own = Sampled(tokens=tokens, num_sampled=counts, num_rejected=counts)
-    driver.finish(agreed, own)  # refused
+    driver.finish(agreed, own)
     typed = Sampled[npt.NDArray[Any]](tokens=tokens, num_sampled=counts, num_rejected=counts)
     driver.finish(agreed, typed)
     driver.finish(agreed, Sampled(tokens=tokens, num_sampled=counts, num_rejected=counts))
+    ones = torch.ones(2, dtype=torch.int32)
+    big = torch.zeros(2, 1, dtype=torch.int64)
+    tensors = Sampled(tokens=big, num_sampled=ones, num_rejected=ones)
+    driver.finish(agreed, tensors)  # refused
 """
 
 
-def test_a_numpy_sampled_of_its_own_is_refused_by_finish_and_the_readme_fixes_work(
+def test_a_numpy_sampled_of_its_own_is_taken_by_finish_and_torch_tensors_are_not(
     tmp_path: Path,
 ) -> None:
     # The README's typing note: a `Sampled(...)` of numpy arrays assigned to a variable of
-    # its own is `Sampled[object]`, which `finish` of a `RankDriver` over `NumpyIO` refuses;
-    # `Sampled[npt.NDArray[Any]](...)` or a `Sampled(...)` built inside the call pass.
+    # its own is `Sampled[object]`, which `finish` takes; a `Sampled` of torch tensors to
+    # a `RankDriver` over `NumpyIO` is still refused.
     script = tmp_path / "sampled_types.py"
     script.write_text(_SAMPLED_TYPES)
     result = subprocess.run(
@@ -152,6 +157,6 @@ def test_a_numpy_sampled_of_its_own_is_refused_by_finish_and_the_readme_fixes_wo
     )
     errors = [line for line in result.stdout.splitlines() if ": error:" in line]
     assert len(errors) == 1, result.stdout + result.stderr
-    refused = _SAMPLED_TYPES.splitlines().index("    driver.finish(agreed, own)  # refused") + 1
+    refused = _SAMPLED_TYPES.splitlines().index("    driver.finish(agreed, tensors)  # refused") + 1
     assert f':{refused}: error: Argument 2 to "finish" of "RankDriver"' in errors[0]
-    assert '"Sampled[object]"' in errors[0]
+    assert '"Sampled[Tensor]"' in errors[0]

@@ -6,9 +6,10 @@ type check (see tests/test_tooling.py).
 
 from __future__ import annotations
 
-from typing import assert_type
+from typing import Any, assert_type
 
 import numpy as np
+import numpy.typing as npt
 
 import purepp
 from purepp import dp, rank
@@ -88,3 +89,17 @@ def _driver(
     driver.finish(begun)  # type: ignore[arg-type]
     driver.agree(agreed, batch, rank.ShapeFacts(num_tokens=2))  # type: ignore[arg-type]
     driver.begin(agreed)  # type: ignore[arg-type]
+
+
+def _numpy_sampled(driver: rank.RankDriver[npt.NDArray[Any]], agreed: rank.Agreed) -> None:
+    # int64 tokens and int32 counts: mypy infers Sampled[object], which finish takes...
+    sampled = rank.Sampled(
+        tokens=np.zeros((2, 1), np.int64),
+        num_sampled=np.ones(2, np.int32),
+        num_rejected=np.zeros(2, np.int32),
+    )
+    assert_type(sampled, rank.Sampled[object])
+    assert_type(driver.finish(agreed, sampled), rank.RankState)
+    # ...while a Sampled of another tensor type is still refused.
+    text = rank.Sampled(tokens="t", num_sampled="s", num_rejected="r")
+    driver.finish(agreed, text)  # type: ignore[arg-type]
