@@ -318,7 +318,9 @@ def test_a_source_outside_the_group_is_reported() -> None:
     assert report.classification is MismatchClass.SOURCE
     assert report.render().startswith("Broadcast source outside its group: op #0")
     assert "rank 1 is not a member of pp_relay" in report.render()
-    assert report.fix().startswith("issue the same collectives in the same order")
+    # The likely cause: a replica's relay configured without its first rank.
+    assert report.fix().startswith("broadcast from a member of the group; a relay's source")
+    assert "RelayConfig.for_stage(first_rank=...)" in report.fix()
 
 
 def test_a_broadcast_against_an_all_reduce_differs_in_kind() -> None:

@@ -310,6 +310,12 @@ class MismatchReport:
         if self.received is None and self.missing:
             return "make every member issue this collective at the same step, idle ranks included"
         received = self.received
+        if received is None or self.peer is None:  # the source is outside the group
+            return (
+                "broadcast from a member of the group; a relay's source is its pipeline's "
+                "last stage: pass RelayConfig.for_stage(first_rank=...) the global rank of "
+                "the pipeline's first stage (dp_index * pp)"
+            )
         if (
             self.differing == (MismatchField.SHAPE,)
             and self.comm is Communicator.PP_RELAY
