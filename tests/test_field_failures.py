@@ -9,13 +9,18 @@ correct program must run the same schedule cleanly.
 
 from __future__ import annotations
 
+import datetime
+import enum
+import functools
 import io
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
+from typing import Any, TypeAlias
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -39,6 +44,7 @@ from purepp.effects.matching import (
 from purepp.effects.numpy_interpreter import POISON, PostedCollective
 from purepp.effects.scheduler import CollectiveHub
 from purepp.effects.simulator import RankContext, RankProgram, simulate
+from purepp.effects.torch_interpreter import TorchInterpreter, build_communicators
 from purepp.effects.vocabulary import (
     Alias,
     AllReduce,
@@ -56,24 +62,43 @@ from purepp.effects.vocabulary import (
 )
 from purepp.errors import HeaderMismatchError
 from purepp.layout import Layout
-from purepp.rank import RankSteps
+from purepp.rank import (
+    RankConfig,
+    RankDriver,
+    RankSteps,
+    Sampled,
+    ShapeFacts,
+    agree,
+    begin,
+    finish,
+    init_rank,
+    perform_phase,
+    settle,
+    start_agreement_phase,
+)
 from purepp.relay import (
     RelayConfig,
     RelayState,
+    Wire,
     broadcast_drafts,
     broadcast_sampled,
     end_step,
+    free_request_slot,
+    free_request_slots,
     receive,
 )
 from purepp.runner.cli import main as cli_main
 from purepp.step import Step
 from purepp.testing import (
     CAPTURE_SIZES,
+    NumpyTensors,
     RankOutputs,
     RecordingTensors,
     Schedule,
     ScheduleConfig,
+    ScriptedIO,
     ScriptedRun,
+    TorchTensors,
     drive,
     make_schedule,
     record_scripted_logs,
@@ -81,6 +106,8 @@ from purepp.testing import (
     scripted_rank_effects,
     simulate_schedule,
 )
+from tests._dist import RankContext as ProcessContext
+from tests._dist import run_ranks
 
 STEPS = 12
 # The scripted world's relays keep the default name, so they read these inputs.
@@ -1103,3 +1130,489 @@ def test_ff7_a_report_appears_iff_some_replicas_stages_contribute_different_colu
         simulated = report_of(schedule, steps_for=local_steps(fact))
         assert_names_the_divergence(simulated, schedule, fact)
         assert checked.finding == simulated
+
+
+# ---- FF15: a reused slot inherits its old request's per-slot drafts ---------------------------
+#
+# With speculation, every non-last stage's consume writes the kept rows' drafts into the
+# caller's [max_num_reqs, spec] table by slot. A row of a request whose slot was freed
+# while its tokens were in flight must not be written: the slot's next request would
+# start from the old request's drafts (vllm#48132 did this with the accepted-token count).
+# The expected table is computed from who holds each slot (request identities), never
+# from the relay's generations, and compared after every step's consume on every stage.
+
+
+DraftTable: TypeAlias = npt.NDArray[np.int64]  # [max_num_reqs, spec] by slot
+
+
+class FreeAt(enum.IntEnum):
+    """Where in a step slots are freed; the value orders it among the step's points."""
+
+    BEFORE_CONSUME = 0  # between steps: just before this step's consume
+    AFTER_CONSUME = 2  # after the consume, before the batch (where the rank step frees)
+    AFTER_RECEIVE = 4  # right after this step's receive, before the step ends
+
+
+FF15_CONSUME, FF15_BATCH = 1, 3  # the reference model's other points of a step
+
+
+class FreeKind(enum.Enum):
+    """Every way the relay or the rank step offers to free slots."""
+
+    SLOT = "free_request_slot"  # one call per slot
+    SLOTS = "free_request_slots"  # one call for every slot freed at that point
+    AGREE = "agree(freed=...)"  # the rank step's agree, or RankDriver.agree
+    SETTLE = "settle(freed=...)"  # the overlapped step's settle, or RankDriver.settle
+
+
+DIRECT_KINDS = (FreeKind.SLOT, FreeKind.SLOTS)
+PHASE_KINDS = (FreeKind.AGREE, FreeKind.SETTLE)  # free only after the consume
+
+
+@attrs.frozen
+class Free:
+    step: int
+    at: FreeAt
+    slots: tuple[int, ...]
+    kind: FreeKind
+
+
+@attrs.frozen
+class Row:
+    slot: int
+    request: int  # unique per scenario: a reused slot gets a new one
+    samples: bool  # a decode (a token and drafts), or a non-final prefill chunk (nothing)
+
+
+@attrs.frozen
+class Scenario:
+    pp: int
+    spec: int
+    max_num_reqs: int
+    wire: Wire
+    batches: tuple[tuple[Row, ...], ...]  # by step
+    frees: tuple[Free, ...]
+
+    @property
+    def steps(self) -> int:
+        return len(self.batches)
+
+    def frees_at(self, step: int, at: FreeAt) -> list[Free]:
+        return [f for f in self.frees if f.step == step and f.at is at]
+
+
+PROMPT = 4  # every request's prompt length
+
+
+def draft_of(request: int, step: int, column: int) -> int:
+    """The draft `request` proposed at `step`: a table value names whose it is."""
+    return 100_000 * (request + 1) + 100 * step + column + 1
+
+
+def drafts_of(request: int, step: int, spec: int) -> list[int]:
+    return [draft_of(request, step, column) for column in range(spec)]
+
+
+def whose(row: DraftTable) -> str:
+    value = int(row[0])
+    if value == 0:
+        return "nothing (never written)"
+    return f"request {value // 100_000 - 1}'s drafts of step {value % 100_000 // 100}"
+
+
+def ff15_config(scenario: Scenario, rank: int) -> RankConfig:
+    return RankConfig(
+        relay=RelayConfig.for_stage(
+            pp_size=scenario.pp,
+            stage=rank,
+            max_num_reqs=scenario.max_num_reqs,
+            num_speculative_steps=scenario.spec,
+            wire=scenario.wire,
+        ),
+        dispatcher=CudaGraphDispatcher(
+            capture_sizes=CAPTURE_SIZES,
+            capture_mode=CaptureMode.FULL_AND_PIECEWISE,
+            max_num_reqs=scenario.max_num_reqs,
+            num_speculative_tokens=scenario.spec,
+        ),
+    )
+
+
+def ff15_batch(scenario: Scenario, step: int) -> tuple[BatchFacts, ShapeFacts]:
+    rows = scenario.batches[step]
+    decode, chunk = (PROMPT, 1 + scenario.spec, PROMPT), (0, 1, PROMPT)
+    facts = np.array([decode if r.samples else chunk for r in rows], np.int32).reshape(-1, 3)
+    batch = BatchFacts(
+        idx_mapping=np.array([r.slot for r in rows], np.int32),
+        num_computed_tokens=facts[:, 0],
+        num_scheduled_tokens=facts[:, 1],
+        prefill_len=facts[:, 2],
+    )
+    uniform = 1 + scenario.spec if rows and all(r.samples for r in rows) else None
+    return batch, ShapeFacts(num_tokens=int(facts[:, 1].sum()), uniform_token_count=uniform)
+
+
+def ff15_sampled(scenario: Scenario, step: int) -> Sampled[npt.NDArray[Any]]:
+    """The last stage's outputs: every batch row's drafts name its request and the step."""
+    rows, spec = scenario.batches[step], scenario.spec
+    n = len(rows)
+    table = np.full((scenario.max_num_reqs, spec), -5, np.int64)  # never gathered
+    for row in rows:
+        table[row.slot] = drafts_of(row.request, step, spec)
+    return Sampled(
+        tokens=np.arange(n * (spec + 1), dtype=np.int64).reshape(n, spec + 1) + 1,
+        num_sampled=np.ones(n, np.int32),
+        num_rejected=np.full(n, spec, np.int32),
+        draft_table=table,
+    )
+
+
+def expected_tables(scenario: Scenario) -> list[DraftTable]:
+    """The draft table after each step's consume: a sampled row lands iff the request
+    that sampled it still holds its slot when its entry is consumed, `pp` steps later."""
+    table = np.zeros((scenario.max_num_reqs, scenario.spec), np.int64)
+    holder: dict[int, int] = {}
+    ended: set[int] = set()
+    after: list[DraftTable] = []
+    for step in range(scenario.steps):
+        for point in range(5):
+            if point == FF15_CONSUME:
+                sent = step - scenario.pp
+                for row in scenario.batches[sent] if sent >= 0 else ():
+                    if row.samples and holder.get(row.slot) == row.request:
+                        table[row.slot] = drafts_of(row.request, sent, scenario.spec)
+                after.append(table.copy())
+            elif point == FF15_BATCH:
+                for row in scenario.batches[step]:
+                    assert row.request not in ended, "a scenario schedules a freed request"
+                    assert holder.setdefault(row.slot, row.request) == row.request
+            else:
+                for free in scenario.frees_at(step, FreeAt(point)):
+                    for slot in free.slots:
+                        if slot in holder:
+                            ended.add(holder.pop(slot))
+    return after
+
+
+def free_directly(
+    scenario: Scenario, step: int, at: FreeAt, config: RelayConfig, state: RelayState
+) -> RelayState:
+    for free in scenario.frees_at(step, at):
+        if free.kind is FreeKind.SLOTS:
+            state = free_request_slots(config, state, free.slots).state
+        elif free.kind is FreeKind.SLOT:
+            for slot in free.slots:
+                state = free_request_slot(config, state, slot).state
+    return state
+
+
+def phase_frees(scenario: Scenario, step: int) -> tuple[tuple[int, ...], bool]:
+    """The slots the rank step frees at `step`, and whether through `settle`."""
+    frees = [f for f in scenario.frees_at(step, FreeAt.AFTER_CONSUME) if f.kind in PHASE_KINDS]
+    slots = tuple(slot for free in frees for slot in free.slots)
+    return slots, any(free.kind is FreeKind.SETTLE for free in frees)
+
+
+def ff15_rank(
+    scenario: Scenario, rank: int, io: ScriptedIO
+) -> Generator[tuple[Effect, ...], None, tuple[DraftTable, ...]]:
+    """The scenario on one rank, through the rank-step phases; the draft table after
+    each step's consume (non-last stages)."""
+    config = ff15_config(scenario, rank)
+    relay = config.relay
+    drafts = relay.inputs.draft_table
+    if config.updates_drafts:
+        io.bind(drafts, np.zeros((scenario.max_num_reqs, scenario.spec), np.int64))
+
+    def free_then_end(config: RelayConfig, state: RelayState) -> Step[RelayState, None]:
+        # Right after the receive (finish calls end_step next): no phase frees here.
+        freed = free_directly(scenario, state.step, FreeAt.AFTER_RECEIVE, config, state)
+        return end_step(config, freed)
+
+    steps = RankSteps(end_step=free_then_end)
+    seen: list[DraftTable] = []
+    state = init_rank(config)
+    for step in range(scenario.steps):
+        freed = free_directly(scenario, step, FreeAt.BEFORE_CONSUME, relay, state.relay)
+        begun = yield from begin(config, attrs.evolve(state, relay=freed), steps)
+        if config.updates_drafts:
+            table = io.read(drafts)
+            assert table is not None
+            seen.append(table)
+        freed = free_directly(scenario, step, FreeAt.AFTER_CONSUME, relay, begun.relay)
+        begun = attrs.evolve(begun, relay=freed)
+        batch, shape = ff15_batch(scenario, step)
+        slots, settles = phase_frees(scenario, step)
+        if settles:
+            begun = yield from start_agreement_phase(config, begun, batch, shape, steps=steps)
+            agreed = yield from settle(config, begun, io, freed=slots, steps=steps)
+        else:
+            agreed = yield from agree(config, begun, batch, shape, io, freed=slots, steps=steps)
+        sampled = ff15_sampled(scenario, step) if config.is_last_stage else None
+        state = yield from finish(config, agreed, io, sampled, steps)
+    return tuple(seen)
+
+
+def simulate_ff15(scenario: Scenario) -> dict[int, tuple[DraftTable, ...]]:
+    """Every rank in the simulator (NumpyInterpreter); the non-last stages' tables."""
+    tables: dict[int, tuple[DraftTable, ...]] = {}
+
+    def program(context: RankContext) -> Iterator[tuple[Effect, ...]]:
+        io = NumpyTensors(context.interpreter)
+        tables[context.rank] = yield from ff15_rank(scenario, context.rank, io)
+
+    simulate(Layout(pp=scenario.pp, dp=1), program)
+    return {rank: tables[rank] for rank in range(scenario.pp - 1)}
+
+
+def assert_tables_hold_only_current_requests_drafts(
+    scenario: Scenario, tables: dict[int, tuple[DraftTable, ...]]
+) -> None:
+    expected = expected_tables(scenario)
+    assert sorted(tables) == list(range(scenario.pp - 1))
+    for stage, seen in tables.items():
+        assert len(seen) == scenario.steps
+        for step, (got, want) in enumerate(zip(seen, expected, strict=True)):
+            for slot in range(scenario.max_num_reqs):
+                assert got[slot].tolist() == want[slot].tolist(), (
+                    f"stage {stage}, after step {step}'s consume: slot {slot} holds "
+                    f"{whose(got[slot])}, expected {whose(want[slot])} ({scenario.frees})"
+                )
+
+
+# The reuse scenario's slots: request 0 ends in slot 0 at step LAST and is freed later;
+# slot 1's request decodes throughout (a bystander); slot 2's request decodes until it
+# is aborted with slot 0 (several rows in flight); slot 3 runs a chunk that samples
+# nothing every other step. Both freed slots are reused by the very next batch.
+LAST = 1
+OLD, BYSTANDER, ABORTED, CHUNK = 0, 1, 2, 3
+NEW, NEW_ABORTED = 10, 20
+
+
+def first_batch_after(free: tuple[int, FreeAt]) -> int:
+    step, at = free
+    return step + 1 if at is FreeAt.AFTER_RECEIVE else step
+
+
+def reuse_scenario(
+    pp: int, free: tuple[int, FreeAt], kind: FreeKind, wire: Wire = Wire.SEED
+) -> Scenario:
+    reused = first_batch_after(free)
+    batches = []
+    for step in range(reused + pp + 2):
+        rows = [Row(BYSTANDER, BYSTANDER, samples=True)]
+        if step <= LAST:
+            rows.append(Row(OLD, OLD, samples=True))
+        if step >= reused:
+            rows += [Row(OLD, NEW, samples=True), Row(ABORTED, NEW_ABORTED, samples=True)]
+        else:
+            rows.append(Row(ABORTED, ABORTED, samples=True))
+        if step % 2 == 0:
+            rows.append(Row(CHUNK, CHUNK, samples=False))
+        batches.append(tuple(rows[::-1] if step % 2 else rows))  # rows are not slots
+    return Scenario(
+        pp=pp,
+        spec=2,
+        max_num_reqs=4,
+        wire=wire,
+        batches=tuple(batches),
+        frees=(Free(free[0], free[1], (OLD, ABORTED), kind),),
+    )
+
+
+def free_points(pp: int, kind: FreeKind) -> list[tuple[int, FreeAt]]:
+    """Every point from right after the old request's last receive (ring offset
+    pp - 1) to just before its consume (offset 0), then just after it (kept)."""
+    points = [(LAST, FreeAt.AFTER_RECEIVE)]
+    points += [(LAST + d, at) for d in range(1, pp + 1) for at in FreeAt]
+    return [p for p in points if kind in DIRECT_KINDS or p[1] is FreeAt.AFTER_CONSUME]
+
+
+def in_flight_at_free(scenario: Scenario, request: int) -> list[int]:
+    """The steps whose row of `request` was received before its slot's free and
+    consumed after it."""
+    (free,) = scenario.frees
+    when = (free.step, int(free.at))
+    return [
+        step
+        for step, rows in enumerate(scenario.batches)
+        if any(r.request == request for r in rows)
+        and (step, FF15_BATCH) < when < (step + scenario.pp, FF15_CONSUME)
+    ]
+
+
+def assert_reused_slots_start_clean(
+    scenario: Scenario, tables: dict[int, tuple[DraftTable, ...]]
+) -> None:
+    """The old requests' in-flight drafts never reach the table; the new requests'
+    first drafts are there once their first entry is consumed."""
+    reused = first_batch_after((scenario.frees[0].step, scenario.frees[0].at))
+    for stage, seen in tables.items():
+        for slot, old, new in ((OLD, OLD, NEW), (ABORTED, ABORTED, NEW_ABORTED)):
+            stale = [draft_of(old, s, 0) for s in in_flight_at_free(scenario, old)]
+            for step, table in enumerate(seen):
+                assert int(table[slot, 0]) not in stale, (
+                    f"stage {stage}, step {step}: reused slot {slot} holds {whose(table[slot])}"
+                )
+            first = seen[reused + scenario.pp][slot].tolist()
+            assert first == drafts_of(new, reused, scenario.spec), (
+                f"stage {stage}: slot {slot} holds {whose(seen[reused + scenario.pp][slot])} "
+                f"after request {new}'s first entry was consumed"
+            )
+
+
+@pytest.mark.parametrize("kind", list(FreeKind))
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_ff15_a_slot_freed_at_any_ring_offset_and_reused_at_once_gets_none_of_the_old_drafts(
+    pp: int, kind: FreeKind
+) -> None:
+    dropped = 0
+    for point in free_points(pp, kind):
+        scenario = reuse_scenario(pp, point, kind)
+        tables = simulate_ff15(scenario)
+        assert_reused_slots_start_clean(scenario, tables)
+        assert_tables_hold_only_current_requests_drafts(scenario, tables)
+        dropped += bool(in_flight_at_free(scenario, OLD))
+    # Every point before the old request's consume drops its row; the last ones keep it.
+    assert dropped == len(free_points(pp, kind)) - (1 if kind in PHASE_KINDS else 2)
+
+
+@st.composite
+def ff15_scenarios(draw: st.DrawFn) -> Scenario:
+    """Random batches and frees: any slots, at any point, by any kind, each freed slot
+    taken by a new request at once (which may be freed again before it samples)."""
+    pp = draw(st.sampled_from([2, 3, 4]))
+    slots = draw(st.integers(2, 4))
+    holder = list(range(slots))
+    admitted = slots
+    batches: list[tuple[Row, ...]] = []
+    frees: list[Free] = []
+
+    def free_some(step: int, at: FreeAt) -> None:
+        nonlocal admitted
+        chosen = draw(st.lists(st.integers(0, slots - 1), max_size=2))
+        if not chosen:
+            return
+        kinds = list(FreeKind) if at is FreeAt.AFTER_CONSUME else list(DIRECT_KINDS)
+        frees.append(Free(step, at, tuple(chosen), draw(st.sampled_from(kinds))))
+        for slot in dict.fromkeys(chosen):
+            holder[slot] = admitted
+            admitted += 1
+
+    for step in range(3 * pp + 2):
+        free_some(step, FreeAt.BEFORE_CONSUME)
+        free_some(step, FreeAt.AFTER_CONSUME)
+        order = draw(st.permutations(range(slots)))
+        kinds = draw(st.lists(st.sampled_from("dci"), min_size=slots, max_size=slots))
+        batches.append(
+            tuple(Row(s, holder[s], samples=kinds[s] == "d") for s in order if kinds[s] != "i")
+        )
+        free_some(step, FreeAt.AFTER_RECEIVE)
+    return Scenario(
+        pp=pp,
+        spec=draw(st.integers(1, 2)),
+        max_num_reqs=slots,
+        wire=draw(st.sampled_from(list(Wire))),
+        batches=tuple(batches),
+        frees=tuple(frees),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(scenario=ff15_scenarios())
+def test_ff15_every_draft_table_row_holds_only_its_current_requests_drafts(
+    scenario: Scenario,
+) -> None:
+    assert_tables_hold_only_current_requests_drafts(scenario, simulate_ff15(scenario))
+
+
+def ff15_driver_rank(
+    scenario: Scenario, rank: int, interpreter: TorchInterpreter
+) -> tuple[DraftTable, ...]:
+    """The scenario on one rank as an embedder runs it: a RankDriver, whose agree and
+    settle take the frees (its phases take only the value the one before returned)."""
+    assert all(free.kind in PHASE_KINDS for free in scenario.frees)
+    config = ff15_config(scenario, rank)
+    io = TorchTensors(interpreter)
+    driver = RankDriver(config, interpreter, io)
+    drafts = config.relay.inputs.draft_table
+    if config.updates_drafts:
+        io.bind(drafts, np.zeros((scenario.max_num_reqs, scenario.spec), np.int64))
+    seen: list[DraftTable] = []
+    state = init_rank(config)
+    for step in range(scenario.steps):
+        begun = driver.begin(state)
+        if config.updates_drafts:
+            seen.append(io.read(drafts))
+        batch, shape = ff15_batch(scenario, step)
+        slots, settles = phase_frees(scenario, step)
+        if settles:
+            agreed = driver.settle(driver.start(begun, batch, shape), freed=slots)
+        else:
+            agreed = driver.agree(begun, batch, shape, freed=slots)
+        sampled = ff15_sampled(scenario, step) if config.is_last_stage else None
+        state = driver.finish(agreed, sampled)
+    return tuple(seen)
+
+
+def ff15_gloo_worker(
+    scenarios: tuple[Scenario, ...], context: ProcessContext
+) -> list[tuple[tuple[DraftTable, ...], tuple[DraftTable, ...] | None]]:
+    """Each scenario on this rank of a real gloo pipeline, on TorchInterpreter (CPU):
+    through the rank-step phases, and (frees by agree or settle only) a RankDriver."""
+    import torch
+
+    world = Layout(pp=context.world_size, dp=1)
+    groups = build_communicators(
+        pp_groups=world.pp_groups,
+        dp_groups=world.dp_groups,
+        relay_backend=context.backend,
+        timeout=context.timeout,
+    )
+
+    def interpreter() -> TorchInterpreter:
+        return TorchInterpreter(device=torch.device("cpu"), groups=groups, rank=context.rank)
+
+    results: list[tuple[tuple[DraftTable, ...], tuple[DraftTable, ...] | None]] = []
+    for scenario in scenarios:
+        phases = interpreter()
+        tables = perform_phase(ff15_rank(scenario, context.rank, TorchTensors(phases)), phases)
+        driven = None
+        if all(free.kind in PHASE_KINDS for free in scenario.frees):
+            driven = ff15_driver_rank(scenario, context.rank, interpreter())
+        results.append((tables, driven))
+    return results
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_ff15_on_torch_over_gloo_a_reused_slot_gets_none_of_the_old_drafts(pp: int) -> None:
+    """The same scenarios on TorchInterpreter (CPU, one process per stage): every kind of
+    free, at every point, through the phases; agree's and settle's also through a
+    RankDriver. The tables equal the reference's and the simulator's."""
+    scenarios = tuple(
+        reuse_scenario(pp, point, kind, wire)
+        for kind in FreeKind
+        for point in free_points(pp, kind)
+        for wire in (Wire.SEED, Wire.FIXED)
+    )
+    runs = run_ranks(
+        functools.partial(ff15_gloo_worker, scenarios),
+        pp,
+        backend="gloo",
+        timeout=datetime.timedelta(seconds=30),
+        deadline_s=240.0,
+    )
+    driven = 0
+    for index, scenario in enumerate(scenarios):
+        simulated = simulate_ff15(scenario)
+        for by in (0, 1):
+            tables = {rank: runs[rank][index][by] for rank in range(pp - 1)}
+            if any(seen is None for seen in tables.values()):
+                continue
+            driven += by
+            checked = {rank: seen for rank, seen in tables.items() if seen is not None}
+            assert_reused_slots_start_clean(scenario, checked)
+            assert_tables_hold_only_current_requests_drafts(scenario, checked)
+            for rank, seen in checked.items():
+                assert [t.tolist() for t in seen] == [t.tolist() for t in simulated[rank]]
+    assert driven == 2 * 2 * pp  # agree and settle, two wires, pp points each
