@@ -677,6 +677,20 @@ def _broadcast(
         io.bind(inputs.draft_table, sampled.draft_table)
         drafts = io.spec(inputs.draft_table)
     tokens = io.spec(inputs.sampled_tokens)
+    width = tokens.shape[1] if len(tokens.shape) == 2 else 0
+    if (
+        tokens.dtype is not DType.INT64
+        or tokens.shape[0] != batch.num_reqs
+        or not 1 <= width <= config.max_sample_len
+    ):
+        # Named here, where the caller passed it, and not by the relay step it feeds.
+        raise InvalidInputError(
+            "finish",
+            f"Sampled.tokens is {tokens.dtype.value}{list(tokens.shape)} for a batch of "
+            f"{batch.num_reqs} rows",
+            f"pass tokens as int64 [{batch.num_reqs}, k] with 1 <= k <= spec + 1 = "
+            f"{config.max_sample_len}",
+        )
     if config.wire is Wire.SEED:
         sent = steps.broadcast_sampled(config, relay, batch, tokens)
         yield sent.effects

@@ -321,6 +321,34 @@ def test_finish_refuses_counts_that_are_not_one_int32_per_row_before_issuing_any
     assert driver.finish(agreed, world.sampled()).step == 1  # the corrected call goes through
 
 
+@pytest.mark.parametrize("problem", ["int32", "too wide", "rows"])
+def test_finish_names_sampled_tokens_of_the_wrong_shape_before_issuing_anything(
+    problem: str,
+) -> None:
+    world = one_rank_driver()
+    driver = world.driver
+    batch = world.schedule.at(0, 0).batch
+    width = driver.config.relay.max_sample_len
+    tokens = {
+        "int32": np.zeros((4, 1), np.int32),
+        "too wide": np.zeros((4, width + 1), np.int64),
+        "rows": np.zeros((3, 1), np.int64),
+    }[problem]
+    agreed = driver.agree(
+        driver.begin(init_rank(driver.config)), batch, shape_of(world.schedule, 0)
+    )
+    issued = world.issued()
+    with pytest.raises(
+        InvalidInputError,
+        match=rf"finish: Sampled\.tokens is {tokens.dtype}\[{tokens.shape[0]}, "
+        rf"{tokens.shape[1]}\] for a batch of 4 rows\. Fix: pass tokens as int64 \[4, k\] "
+        rf"with 1 <= k <= spec \+ 1 = {width}",
+    ):
+        driver.finish(agreed, world.sampled(tokens=tokens))
+    assert world.issued() == issued
+    assert driver.finish(agreed, world.sampled()).step == 1
+
+
 def test_a_missing_dispatcher_is_named_on_the_rank_config() -> None:
     world = one_rank_driver(dispatcher=None)
     driver, batch = world.driver, world.schedule.at(0, 0).batch
