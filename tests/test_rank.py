@@ -329,11 +329,12 @@ def test_finish_names_sampled_tokens_of_the_wrong_shape_before_issuing_anything(
     driver = world.driver
     batch = world.schedule.at(0, 0).batch
     width = driver.config.relay.max_sample_len
-    tokens: npt.NDArray[Any] = {
+    tables: dict[str, npt.NDArray[Any]] = {
         "int32": np.zeros((4, 1), np.int32),
         "too wide": np.zeros((4, width + 1), np.int64),
         "rows": np.zeros((3, 1), np.int64),
-    }[problem]
+    }
+    tokens = tables[problem]
     agreed = driver.agree(
         driver.begin(init_rank(driver.config)), batch, shape_of(world.schedule, 0)
     )
