@@ -553,10 +553,16 @@ def test_broadcast_checks_the_wire_layout_before_issuing(
         interp.perform((broadcast(A, shape, dtype),))
 
 
-def test_broadcast_rejects_a_source_outside_the_communicator(interp: TorchInterpreter) -> None:
-    interp.bind(A, int64([[5, 6]]))
-    with pytest.raises(InterpreterError, match=r"source rank 3 is not in communicator pp_relay"):
-        interp.perform((broadcast(A, (1, 2), DType.INT64, src=3),))
+def test_broadcast_rejects_a_source_outside_the_communicator(
+    interp: TorchInterpreter, checked: TorchInterpreter
+) -> None:
+    for made in (interp, checked):  # the fast path and the checked one say the same
+        made.bind(A, int64([[5, 6]]))
+        with pytest.raises(
+            InterpreterError, match=r"source rank 3 is not in communicator pp_relay"
+        ) as raised:
+            made.perform((broadcast(A, (1, 2), DType.INT64, src=3),))
+        assert "give RelayConfig.for_stage the pipeline's first_rank" in str(raised.value)
 
 
 def test_broadcast_rejects_a_non_contiguous_buffer(checked: TorchInterpreter) -> None:

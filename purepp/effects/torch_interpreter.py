@@ -694,14 +694,7 @@ class TorchInterpreter:
             case Broadcast():
                 self.group(effect, effect.comm)
                 tensor = lookup(effect, effect.buffer)
-                ranks = self._group_ranks[effect.comm]
-                if effect.src not in ranks:
-                    env.fail(
-                        effect,
-                        f"source rank {effect.src} is not in communicator {effect.comm.value} "
-                        f"{ranks}",
-                        "broadcast from a global rank of the communicator",
-                    )
+                self._check_source(effect)
                 env.check_contiguous(effect, effect.buffer, tensor.is_contiguous())
             case PadColumns():
                 env.check_pad(
@@ -855,19 +848,24 @@ class TorchInterpreter:
 
     # ---- collectives ---------------------------------------------------------------------
 
+    def _check_source(self, effect: Broadcast) -> None:
+        """The broadcast's source is a global rank of its communicator."""
+        ranks = self._group_ranks[effect.comm]
+        if effect.src not in ranks:
+            self.env.fail(
+                effect,
+                f"source rank {effect.src} is not in communicator {effect.comm.value} {ranks}",
+                "broadcast from a global rank of the communicator (a relay's source is its "
+                "last stage: give RelayConfig.for_stage the pipeline's first_rank)",
+            )
+
     def broadcast_options(self, effect: Broadcast) -> dist.BroadcastOptions:
         """The options of a direct `ProcessGroup.broadcast` from `effect.src` over its group."""
         key = (effect.comm, effect.src)
         options = self._broadcast_options.get(key)
         if options is None:
             group = self.group(effect, effect.comm)
-            ranks = self._group_ranks[effect.comm]
-            if effect.src not in ranks:
-                self.env.fail(
-                    effect,
-                    f"source rank {effect.src} is not in communicator {effect.comm.value} {ranks}",
-                    "broadcast from a global rank of the communicator",
-                )
+            self._check_source(effect)
             options = dist.BroadcastOptions()
             options.rootRank = dist.get_group_rank(group, effect.src)
             options.rootTensor = 0
