@@ -804,6 +804,42 @@ def test_the_header_diff_names_each_config_key_and_the_run_fields_that_differ() 
     )
 
 
+def test_the_header_diff_names_a_nested_config_key() -> None:
+    nested = LogHeader(rank=1, world=HEADER.world, config={"scripted": {"seed": 1, "pp": 2}})
+    other = attrs.evolve(nested, config={"scripted": {"seed": 2, "pp": 2}})
+    report = diff_logs(EffectLog(nested, SAMPLE.records), EffectLog(other, SAMPLE.records))
+    assert report is not None
+    assert report.splitlines()[-1] == "  fields that differ: config.scripted.seed"
+
+
+def test_two_runs_differing_in_their_run_id_alone_are_equal_when_it_is_ignored() -> None:
+    # Every run gets a new run id: a golden log of a recorded run never equals a new run's.
+    runs = [
+        EffectLog(
+            LogHeader.for_run(rank=1, world=HEADER.world, config={"seed": 0}, run_id=run_id),
+            SAMPLE.records,
+        )
+        for run_id in ("a", "b")
+    ]
+    report = diff_logs(*runs)
+    assert report is not None
+    assert report.splitlines()[-2:] == [
+        "  fields that differ: run_id",
+        "  every record is equal (7): the logs are of two runs of one config; pass "
+        "ignore_run_id=True to compare what the runs did",
+    ]
+    assert diff_logs(*runs, ignore_run_id=True) is None
+    assert_logs_equal(*runs, ignore_run_id=True)
+    other_config = EffectLog(attrs.evolve(runs[1].header, config={"seed": 1}), SAMPLE.records)
+    ignored = diff_logs(runs[0], other_config, ignore_run_id=True)
+    assert ignored is not None
+    assert ignored.splitlines()[-1] == "  fields that differ: config.seed"
+    shorter = EffectLog(runs[1].header, SAMPLE.records[:3])
+    assert "every record is equal" not in (diff_logs(runs[0], shorter) or "")
+    with pytest.raises(InvalidInputError, match="ignore_run_id"):
+        diff_logs(*runs, ignore_run_id=1)  # type: ignore[arg-type]
+
+
 def test_assert_logs_equal_raises_the_diff() -> None:
     shorter = EffectLog.from_effects(HEADER, SAMPLE_EFFECTS[:3])
     with pytest.raises(AssertionError) as caught:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from purepp._checks import check_int
+import attrs
+
+from purepp._checks import check_bool, check_int
 from purepp._text import a_type
 from purepp.effects._converter import CONVERTER
 from purepp.effects.logfile import header_json, record_json
@@ -25,18 +27,27 @@ def _differing_fields(expected: LogRecord, actual: LogRecord) -> list[str]:
     ]
 
 
+def _differing_keys(prefix: str, want: object, got: object) -> list[str]:
+    """The dotted names of what differs, down into nested objects ("config.scripted.seed")."""
+    if want == got:
+        return []
+    if not (isinstance(want, dict) and isinstance(got, dict)):
+        return [prefix]
+    return [
+        name
+        for key in dict.fromkeys([*want, *got])
+        for name in _differing_keys(f"{prefix}.{key}", want.get(key), got.get(key))
+    ]
+
+
 def _differing_header_fields(expected: LogHeader, actual: LogHeader) -> list[str]:
-    """The header keys that differ as written, the config's one by one ("config.seed")."""
+    """The header keys that differ as written, the config's down to its leaves."""
     want, got = json.loads(header_json(expected)), json.loads(header_json(actual))
     fields: list[str] = []
     for key in dict.fromkeys([*want, *got]):
-        mine, theirs = want.get(key), got.get(key)
-        if mine == theirs:
-            continue
-        if key == "config" and isinstance(mine, dict) and isinstance(theirs, dict):
-            names = dict.fromkeys([*mine, *theirs])
-            fields += [f"config.{name}" for name in names if mine.get(name) != theirs.get(name)]
-        else:
+        if key == "config":
+            fields += _differing_keys("config", want.get(key), got.get(key))
+        elif want.get(key) != got.get(key):
             fields.append(key)
     return fields
 
@@ -71,33 +82,51 @@ def _diff_records(expected: EffectLog, actual: EffectLog, context: int) -> list[
     return text
 
 
-def diff_logs(expected: EffectLog, actual: EffectLog, *, context: int = 3) -> str | None:
+def diff_logs(
+    expected: EffectLog, actual: EffectLog, *, context: int = 3, ignore_run_id: bool = False
+) -> str | None:
     """None when the logs are equal; else a readable report for a golden-log test.
 
     It shows a differing header, and the first differing record (rendered as its log
-    line) with the `context` records before it and the fields that differ.
+    line) with the `context` records before it and the fields that differ. Every run
+    gets a new run id, so a golden log of a recorded run passes `ignore_run_id=True`
+    to compare what the runs did.
     """
     for name, log in (("expected", expected), ("actual", actual)):
         if not isinstance(log, EffectLog):
             raise InvalidInputError("diff_logs", f"{name} is {a_type(log)}", "pass two EffectLogs")
     context = check_int("diff_logs", "context", context, 0)
+    ignore_run_id = check_bool("diff_logs", "ignore_run_id", ignore_run_id)
+    if ignore_run_id:
+        expected, actual = _without_run_id(expected), _without_run_id(actual)
     if expected == actual:
         return None
     text: list[str] = []
     if expected.header != actual.header:
+        fields = _differing_header_fields(expected.header, actual.header)
         text += [
             "effect log headers differ (file line 1):",
             f"  - expected: {header_json(expected.header)}",
             f"  + actual:   {header_json(actual.header)}",
-            "  fields that differ: "
-            + ", ".join(_differing_header_fields(expected.header, actual.header)),
+            "  fields that differ: " + ", ".join(fields),
         ]
+        if fields == ["run_id"] and expected.records == actual.records:
+            text.append(
+                f"  every record is equal ({len(expected.records)}): the logs are of two runs of "
+                "one config; pass ignore_run_id=True to compare what the runs did"
+            )
     return "\n".join(text + _diff_records(expected, actual, context))
 
 
-def assert_logs_equal(expected: EffectLog, actual: EffectLog, *, context: int = 3) -> None:
+def _without_run_id(log: EffectLog) -> EffectLog:
+    return attrs.evolve(log, header=attrs.evolve(log.header, run_id=None))
+
+
+def assert_logs_equal(
+    expected: EffectLog, actual: EffectLog, *, context: int = 3, ignore_run_id: bool = False
+) -> None:
     """Raise AssertionError carrying `diff_logs`' report when the logs differ."""
     __tracebackhide__ = True  # pytest shows the caller's line, not this one
-    difference = diff_logs(expected, actual, context=context)
+    difference = diff_logs(expected, actual, context=context, ignore_run_id=ignore_run_id)
     if difference is not None:
         raise AssertionError(difference)
