@@ -425,7 +425,12 @@ BAD_LOGS: dict[str, tuple[Mutation, int, str]] = {
         "key 'seq' appears twice",
     ),
     "record not an object": (replace_line(3, "[1, 2]"), 3, "expected a JSON object"),
-    "blank line": (lambda lines: [*lines[:3], "", *lines[3:]], 4, "corrupted JSON"),
+    "blank line": (lambda lines: [*lines[:3], "", *lines[3:]], 4, "an empty line"),
+    "two logs joined": (
+        lambda lines: [*lines, *lines],
+        len(SAMPLE.records) + 2,
+        r'a header \("purepp.effects/1", rank 1\) where a record belongs: two logs were joined',
+    ),
 }
 
 
@@ -453,6 +458,32 @@ def test_a_truncated_last_line_is_rejected(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-5])
     with pytest.raises(LogFormatError, match=f"{path} line 8: the last line is truncated"):
         load_log(path)
+
+
+def test_a_log_another_purepp_wrote_is_to_be_recorded_again(tmp_path: Path) -> None:
+    # A golden log committed before purepp changed an effect's fields: the fix is to
+    # record it again, not the "do not edit by hand" meant for a corrupted file.
+    lines = sample_lines(tmp_path)
+    lines[1] = lines[1].replace('"waits_for": "main"', '"waits_for": "main", "priority": 1')
+    path = write_lines(tmp_path / "rank.jsonl", lines)
+    with pytest.raises(LogFormatError, match="line 2: extra fields found") as caught:
+        load_log(path)
+    assert caught.value.fix.startswith("record the log again with this purepp")
+    header = json.loads(lines[0])
+    path = write_lines(tmp_path / "rank.jsonl", [json.dumps({**header, "host": "a"}), *lines[1:]])
+    with pytest.raises(LogFormatError, match="line 1: extra fields found") as caught:
+        load_log(path)
+    assert caught.value.fix.startswith("record the log again with this purepp")
+
+
+def test_a_cut_header_is_not_sent_to_purepp_check(tmp_path: Path) -> None:
+    # `purepp check` reads a log up to a cut record, but refuses a cut header too.
+    path = tmp_path / "rank.jsonl"
+    path.write_text(header_json(HEADER)[:-5])
+    for allow_cut_end in (False, True):
+        with pytest.raises(LogFormatError, match="line 1: the last line is truncated") as caught:
+            LogStream(path, allow_cut_end=allow_cut_end)
+        assert caught.value.fix == "record the run again: its header was never finished"
 
 
 @pytest.mark.parametrize(

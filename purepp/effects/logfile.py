@@ -75,6 +75,11 @@ __all__ = [
 
 _REWRITE = "regenerate the log with purepp's Recorder or dump_log; do not edit logs by hand"
 _ONE_RUN = "keep only the logs of one run in the directory"
+# A record this purepp cannot build: another purepp version may have written it.
+_OTHER_FIELDS = (
+    "record the log again with this purepp (a golden log: regenerate it), since a log "
+    "another purepp version wrote may have other effects or fields; do not edit logs by hand"
+)
 # Header keys a file may leave out (logs written before they existed).
 _OPTIONAL_HEADER_KEYS = ("run_id", "config_digest")
 
@@ -645,6 +650,8 @@ class LogStream:
         if self._allow_cut_end and self.lines_read > 1:
             self.cut_line = self.lines_read
             return None
+        if self.lines_read == 1:  # `purepp check` needs the header too
+            raise self._fail(1, _TRUNCATED, "record the run again: its header was never finished")
         raise self._fail(self.lines_read, _TRUNCATED, _TRUNCATED_FIX)
 
     def _json_object(self, data: bytes) -> dict[str, object]:
@@ -659,6 +666,8 @@ class LogStream:
             problem = f"byte {exc.start} of the line is not UTF-8 (corrupted file)"
             raise self._fail(line, problem) from exc
         except json.JSONDecodeError as exc:
+            if not data.strip():
+                raise self._fail(line, "an empty line (a log has none)") from exc
             raise self._fail(line, f"corrupted JSON at column {exc.colno} ({exc.msg})") from exc
         except _BadJSON as exc:
             raise self._fail(line, f"corrupted JSON ({exc})") from exc
@@ -696,7 +705,7 @@ class LogStream:
         try:
             header = CONVERTER.structure(obj, LogHeader)
         except _STRUCTURE_ERRORS as exc:
-            raise self._fail(1, describe_structure_error(exc, "header")) from exc
+            raise self._fail(1, describe_structure_error(exc, "header"), _OTHER_FIELDS) from exc
         if header.config_digest is not None and header.config_digest != config_digest(
             header.config
         ):
@@ -717,10 +726,19 @@ class LogStream:
 
     def _record(self, data: bytes, numbering: Numbering) -> LogRecord:
         obj = self._json_object(data)
+        if "schema" in obj:
+            raise self._fail(
+                self.lines_read,
+                f"a header ({_dumps(obj.get('schema'))}, rank {_dumps(obj.get('rank'))}) where a "
+                "record belongs: two logs were joined into one file",
+                "keep each rank's log in a file of its own, as dump_logs writes them",
+            )
         try:
             record = CONVERTER.structure(obj, LogRecord)
         except _STRUCTURE_ERRORS as exc:
-            raise self._fail(self.lines_read, describe_structure_error(exc, "record")) from exc
+            raise self._fail(
+                self.lines_read, describe_structure_error(exc, "record"), _OTHER_FIELDS
+            ) from exc
         problem = numbering_problem(record, numbering.number(record.effect))
         if problem is not None:
             raise self._fail(self.lines_read, problem)
