@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from purepp.effects._converter import CONVERTER, structure_effect, unstructure_effect
+from purepp.effects.checker import check_logs
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.log import (
     EFFECT_KINDS,
@@ -582,6 +583,26 @@ def test_load_logs_rejects_an_unexpected_world_and_an_empty_directory(tmp_path: 
     dump_logs(world_logs(Layout(pp=2, dp=2)), tmp_path)
     with pytest.raises(LogFormatError, match="expected pp=2, dp=4"):
         load_logs(tmp_path, expect_world=Layout(pp=2, dp=4))
+
+
+def test_load_logs_of_a_folder_above_the_logs_names_the_folders_holding_them(
+    tmp_path: Path,
+) -> None:
+    dump_logs(world_logs(Layout(pp=2, dp=1)), tmp_path / "run-a")
+    with pytest.raises(LogFormatError) as caught:
+        load_logs(tmp_path)
+    assert caught.value.problem == (
+        f"{tmp_path}: holds no *.jsonl logs, but its folder {str(tmp_path / 'run-a')!r} does"
+    )
+    assert caught.value.fix == (
+        f"pass the folder a run's logs were written to, such as {str(tmp_path / 'run-a')!r}"
+    )
+    dump_logs(world_logs(Layout(pp=2, dp=1)), tmp_path / "run-b")
+    with pytest.raises(LogFormatError, match=r"but its folders .*run-a.*, .*run-b.* do"):
+        load_logs(tmp_path)
+    report = check_logs(tmp_path)
+    assert report.exit_code == 2
+    assert "run-a" in report.text
 
 
 def test_dump_logs_refuses_two_logs_of_one_rank(tmp_path: Path) -> None:

@@ -772,6 +772,8 @@ def log_paths(directory: str | os.PathLike[str]) -> tuple[Path, ...]:
                 "pass the directory the ranks' logs were written to",
             )
         paths = tuple(sorted(directory.glob("*.jsonl")))
+        # A folder above the logs' (runs kept side by side): name where they are.
+        below = () if paths else tuple(sorted({p.parent for p in directory.glob("*/*.jsonl")}))
     except (OSError, ValueError) as error:  # a name too long, a NUL in the path
         raise _dir_fail(
             directory,
@@ -779,6 +781,15 @@ def log_paths(directory: str | os.PathLike[str]) -> tuple[Path, ...]:
             "pass the directory the ranks' logs were written to",
         ) from error
     if not paths:
+        if below:
+            shown = ", ".join(repr(str(folder)) for folder in below[:3])
+            more = f" and {len(below) - 3} more" if len(below) > 3 else ""
+            raise _dir_fail(
+                directory,
+                f"holds no *.jsonl logs, but its folder{'s' if len(below) > 1 else ''} "
+                f"{shown}{more} {'do' if len(below) > 1 else 'does'}",
+                f"pass the folder a run's logs were written to, such as {str(below[0])!r}",
+            )
         raise _dir_fail(
             directory, "holds no *.jsonl logs", "pass the directory the ranks' logs were written to"
         )
