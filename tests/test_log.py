@@ -38,6 +38,7 @@ from purepp.effects.log import (
     record_json,
     replay,
 )
+from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.vocabulary import (
     Allocate,
     AllReduce,
@@ -795,6 +796,22 @@ def test_replay_performs_one_batch_per_step() -> None:
         [0, 0],
         [1, 1, 1],
         [0],
+    ]
+
+
+def test_a_replay_that_fails_says_where_in_the_log() -> None:
+    # A log holds no caller tensors: a numpy interpreter stops at the first input it
+    # reads, and the error (the interpreter's own, kept) says which step and records.
+    effects = [
+        SAMPLE_EFFECTS[1],  # allocates recv/0
+        Release(step=0, op=Op.RECEIVE, buffer=BufferRef("recv/0")),
+        Release(step=1, op=Op.END_STEP, buffer=BufferRef("relay.input.sampled_token_ids")),
+    ]
+    log = EffectLog.from_effects(LogHeader(rank=0, world=Layout(pp=1, dp=1)), effects)
+    with pytest.raises(InterpreterError, match=r"'relay\.input\.sampled_token_ids'") as caught:
+        replay(log, NumpyInterpreter())
+    assert caught.value.__notes__ == [
+        "in replay: step 1 of rank 0's log, records #2 to #2 (file lines 4 to 4)"
     ]
 
 

@@ -8,7 +8,7 @@ from purepp._checks import check_interpreter
 from purepp._text import a_type
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.logmodel import EffectLog
-from purepp.errors import InvalidInputError
+from purepp.errors import InvalidInputError, PureppError
 
 __all__ = ["replay"]
 
@@ -29,5 +29,15 @@ def replay(log: EffectLog, interpreter: Interpreter) -> None:
         interpreter,
         fix="pass an Interpreter (e.g. a NumpyInterpreter, a TorchInterpreter or a Recorder)",
     )
-    for _, records in itertools.groupby(log.records, key=lambda record: record.effect.step):
-        interpreter.perform(tuple(record.effect for record in records))
+    for step, group in itertools.groupby(log.records, key=lambda record: record.effect.step):
+        records = tuple(group)
+        try:
+            interpreter.perform(tuple(record.effect for record in records))
+        except PureppError as error:
+            # The interpreter names its own call; say where in the log it was.
+            first, last = records[0].seq, records[-1].seq
+            error.add_note(
+                f"in replay: step {step} of rank {log.header.rank}'s log, records #{first} to "
+                f"#{last} (file lines {first + 2} to {last + 2})"
+            )
+            raise
