@@ -246,6 +246,18 @@ def test_a_single_rank_never_returns_a_sync_even_when_one_is_reused() -> None:
     assert outcome == DispatchOutcome(descriptor=desc(FULL, 4, 2, uniform=2), sync=None)
 
 
+def test_a_reused_eager_sync_needs_no_dispatcher() -> None:
+    # The seed asks the manager only when neither need_eager nor an eager sync forces
+    # eager, so a reuse of an eager agreement may pass no manager; a graph sync may not.
+    agreed = sync([4, 3], eager=True, reqs=2)
+    outcome = at_once(start(None, dp_sync=agreed, num_active_loras=1))
+    assert outcome == DispatchOutcome(descriptor=desc(NONE, 4, 2, loras=1), sync=agreed)
+    single = at_once(start(None, dp_size=1, dp_sync=sync([4], eager=True, reqs=2)))
+    assert single == DispatchOutcome(descriptor=desc(NONE, 4, 2), sync=None)
+    with pytest.raises(ConfigError, match=r"^start_agreement: cudagraph dispatcher is None"):
+        start(None, dp_sync=sync([4, 4], uniform=2, reqs=2))
+
+
 # field failure 12: a sync taken over one batch, reused for another.
 @pytest.mark.parametrize(
     ("reused", "uniform"),
@@ -606,6 +618,28 @@ def test_any_dispatcher_with_the_same_dispatch_plugs_in() -> None:
     outcomes = agree_across_ranks(mine, [batch(1, 3), batch(2, 5)])
     assert [o.descriptor for o in outcomes] == [desc(PIECEWISE, 8, None)] * 2
     assert (1, 5, None, 0, None) in mine.calls  # rank 0 dispatched the agreed count
+
+
+class FullGraphsWithoutRequestCounts:
+    """A manager whose FULL graphs state no padded request count (num_reqs None)."""
+
+    def dispatch(
+        self,
+        num_reqs: int,
+        num_tokens: int,
+        uniform_token_count: int | None,
+        *,
+        num_active_loras: int = 0,
+        max_query_len: int | None = None,
+    ) -> BatchExecutionDescriptor:
+        return desc(FULL, 8, None)
+
+
+def test_a_full_graph_without_a_request_count_agrees_on_the_most_scheduled() -> None:
+    # The seed takes a FULL graph's request count only when it has one.
+    outcomes = agree_across_ranks(FullGraphsWithoutRequestCounts(), [batch(1, 3), batch(5, 6)])
+    assert [o.descriptor for o in outcomes] == [desc(FULL, 8, None)] * 2
+    assert [o.sync for o in outcomes] == [sync([8, 8], reqs=5)] * 2
 
 
 def test_a_dispatcher_that_answers_no_descriptor_is_invalid_input() -> None:
