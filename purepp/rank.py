@@ -203,6 +203,7 @@ class ShapeFacts:
     uniform_token_count: int | None = None  # tokens per request of a uniform decode batch
     max_query_len: int | None = None  # per-request query-length bound, None: not tracked
     need_eager: bool = False  # force eager (a profile run)
+    num_active_loras: int = 0  # active LoRA adapters on this rank (picks the graph; not agreed)
 
     def __attrs_post_init__(self) -> None:
         _check_shape(self)
@@ -213,9 +214,9 @@ _INT32_MAX = 2**31 - 1
 
 def _check_shape(shape: ShapeFacts) -> None:
     """Checked once, at the boundary: a float or a bool would reach the DP table."""
-    for name in ("num_tokens", "uniform_token_count", "max_query_len"):
+    for name in ("num_tokens", "uniform_token_count", "max_query_len", "num_active_loras"):
         value = getattr(shape, name)
-        if value is None and name != "num_tokens":
+        if value is None and name in ("uniform_token_count", "max_query_len"):
             continue
         if type(value) is not int or not 0 <= value <= _INT32_MAX:
             raise InvalidInputError(
@@ -501,6 +502,7 @@ def _start(
         uniform_token_count=shape.uniform_token_count,
         max_query_len=shape.max_query_len,
         need_eager=shape.need_eager,
+        num_active_loras=shape.num_active_loras,
     )
     started = steps.start_agreement(
         lanes, config.group, config.dispatcher, facts, step=step, asynchronous=asynchronous

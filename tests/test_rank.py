@@ -368,6 +368,23 @@ def test_a_missing_dispatcher_is_named_on_the_rank_config() -> None:
         driver.start_next(agreed, world.schedule.at(1, 0).batch, shape_of(world.schedule, 1))
 
 
+def test_the_agreement_dispatches_with_the_shapes_active_lora_count() -> None:
+    # The seed's dispatch_cg_and_sync_dp takes this rank's active-LoRA count (not agreed).
+    lora = attrs.evolve(one_rank_driver().schedule.dispatcher(), lora_capture_cases=(0, 2))
+    world = one_rank_driver(dispatcher=lora)
+    driver, batch = world.driver, world.schedule.at(0, 0).batch
+    shape = attrs.evolve(shape_of(world.schedule, 0), num_active_loras=1)
+    agreed = driver.agree(driver.begin(init_rank(driver.config)), batch, shape)
+    expected = lora.dispatch(
+        batch.num_reqs, shape.num_tokens, shape.uniform_token_count, num_active_loras=1
+    )
+    assert agreed.descriptor == expected
+    assert agreed.descriptor.num_active_loras == 2  # the captured case serving 1 adapter
+    for bad in (-1, True, 1.0, None):
+        with pytest.raises(InvalidInputError, match=r"^ShapeFacts: num_active_loras="):
+            ShapeFacts(num_tokens=4, num_active_loras=bad)  # type: ignore[arg-type]
+
+
 def test_finish_names_a_float_count_that_the_torch_interpreter_binds() -> None:
     import torch
 
