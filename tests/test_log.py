@@ -52,6 +52,7 @@ from purepp.effects.vocabulary import (
     Op,
     RecordEvent,
     Release,
+    Section,
     Stream,
     WaitStream,
 )
@@ -150,6 +151,52 @@ def test_record_lines_are_the_documented_format() -> None:
         '"contribution": {"shape": [2, 2], "values": [[3, 0], [1, 0]]}, "result": "dp/1", '
         '"comm": "dp_cpu", "work": null}}',
     ]
+
+
+# The fields each kind's records are written with, in SCHEMA's format. A log written
+# before a field was added, removed or renamed fails on that field, so such a change
+# bumps SCHEMA (old logs then get the version error) and regenerates the golden logs
+# (python -m tests.regen_golden). A new kind alone keeps old logs readable.
+SCHEMA_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
+    "purepp.effects/1": {
+        "alias": ("step", "op", "source", "out"),
+        "all_reduce": ("step", "op", "contribution", "result", "comm", "work"),
+        "allocate": ("step", "op", "buffer", "shape", "dtype", "stream"),
+        "broadcast": ("step", "op", "buffer", "shape", "dtype", "src", "comm", "stream"),
+        "check_header": ("step", "op", "buffer", "expected", "stream"),
+        "copy_host_to_device": ("step", "op", "source", "buffer", "stream"),
+        "forget_event": ("step", "op", "event"),
+        "gather_rows": ("step", "op", "source", "index", "out", "stream"),
+        "pack": ("step", "op", "sections", "out", "nbytes", "stream"),
+        "pad_columns": ("step", "op", "source", "out", "width", "fill", "stream"),
+        "record_event": ("step", "op", "stream", "event"),
+        "record_stream": ("step", "op", "buffer", "stream"),
+        "release": ("step", "op", "buffer"),
+        "scatter_rows": ("step", "op", "source", "index", "target", "stream", "skips"),
+        "section": ("buffer", "offset", "shape", "dtype"),  # of pack and unpack
+        "stack_rows": ("step", "op", "sources", "out", "stream"),
+        "synchronize": ("step", "op", "stream"),
+        "unpack": ("step", "op", "source", "sections", "stream"),
+        "wait_event": ("step", "op", "stream", "event"),
+        "wait_stream": ("step", "op", "stream", "waits_for"),
+        "wait_work": ("step", "op", "work"),
+    }
+}
+
+
+def test_a_change_to_an_existing_kinds_fields_changes_the_schema() -> None:
+    pinned = SCHEMA_FIELDS.get(SCHEMA)
+    assert pinned is not None, f"SCHEMA is {SCHEMA!r}: add its fields to SCHEMA_FIELDS"
+    written = {kind: tuple(f.name for f in attrs.fields(cls)) for kind, cls in EFFECT_KINDS.items()}
+    written["section"] = tuple(f.name for f in attrs.fields(Section))
+    changed = sorted(kind for kind in pinned if written.get(kind, ()) != pinned[kind])
+    assert not changed, (
+        f"the fields of {changed} changed, so logs written as {SCHEMA!r} no longer load: "
+        "bump SCHEMA in purepp/effects/logmodel.py, pin the new fields here under it, and "
+        "run python -m tests.regen_golden"
+    )
+    new_kinds = sorted(set(written) - set(pinned))
+    assert not new_kinds, f"pin the fields of the new kinds {new_kinds} under {SCHEMA!r}"
 
 
 def test_every_effect_class_has_a_snake_case_kind() -> None:
