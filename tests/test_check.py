@@ -182,6 +182,10 @@ def test_header_only_logs_are_nothing_recorded_not_ok(tmp_path: Path) -> None:
     assert report.text.startswith(
         "nothing recorded: the logs of 2 ranks hold a header and no effect"
     )
+    # A run whose steps all issued nothing (purepp run --pp 2 --dp 1 --steps 4: prefill
+    # chunks only) is told to record more steps, not that it never ran.
+    assert "its steps had nothing to relay or agree" in report.text
+    assert report.text.endswith("raise --steps, or pass --steps 0 to run every request to the end)")
 
 
 # ---- logs that are not one run's ---------------------------------------------------------

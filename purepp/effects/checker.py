@@ -329,7 +329,10 @@ class _Check:
         if summary.records == 0:
             return self._report(
                 f"nothing recorded: the logs of {counted(summary.ranks, 'rank')} hold a header"
-                " and no effect (the run stopped before its first step, or logging was off)"
+                " and no effect: the run issued none (it stopped before its first step, its"
+                " steps had nothing to relay or agree, as prefill chunks that sample nothing on"
+                " one replica, or logging was off); record a longer run (purepp run: raise"
+                " --steps, or pass --steps 0 to run every request to the end)"
             )
         return self._report(
             f"ok: {counted(summary.ranks, 'rank')}, "
