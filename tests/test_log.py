@@ -509,6 +509,23 @@ def test_a_truncated_last_line_is_rejected(tmp_path: Path) -> None:
         load_log(path)
 
 
+def test_a_log_cut_mid_record_loads_up_to_the_cut_when_asked(tmp_path: Path) -> None:
+    # A rank killed while writing: its log in Python, as `purepp check` reads it.
+    logs = world_logs(Layout(pp=2, dp=1))
+    dump_logs(logs, tmp_path)
+    path = tmp_path / log_file_name(1)
+    path.write_bytes(path.read_bytes()[:-5])
+    with pytest.raises(LogFormatError, match="line 8: the last line is truncated") as caught:
+        load_logs(tmp_path)
+    assert "allow_cut_end=True" in caught.value.fix
+    cut = EffectLog(logs[1].header, logs[1].records[:-1])
+    assert load_log(path, allow_cut_end=True) == cut
+    assert load_logs(tmp_path, allow_cut_end=True) == (logs[0], cut)
+    for call in (load_log, load_logs):
+        with pytest.raises(InvalidInputError, match=f"{call.__name__}: allow_cut_end"):
+            call(path, allow_cut_end=1)  # type: ignore[arg-type]
+
+
 def test_a_log_another_purepp_wrote_is_to_be_recorded_again(tmp_path: Path) -> None:
     # A golden log committed before purepp changed an effect's fields: the fix is to
     # record it again, not the "do not edit by hand" meant for a corrupted file.

@@ -246,7 +246,8 @@ _DECODER = json.JSONDecoder()
 _BLOCK_BYTES = 1 << 18  # read a log this much at a time
 _TRUNCATED = "the last line is truncated (no newline: the writer stopped mid-line)"
 _TRUNCATED_FIX = (
-    "check it with `purepp check`, which reads a log up to the cut, or record the run again"
+    "check it with `purepp check`, or read it up to the cut with load_log or load_logs"
+    "(..., allow_cut_end=True), or record the run again"
 )
 # Digits 1-9 as "1" (0 stays), so two lines differing only in numbers (and in the
 # digits of names) of the same lengths and zeros share one key. A number with a
@@ -745,12 +746,20 @@ class LogStream:
         return record
 
 
-def load_log(path: str | os.PathLike[str], *, expect_world: Layout | None = None) -> EffectLog:
+def load_log(
+    path: str | os.PathLike[str],
+    *,
+    expect_world: Layout | None = None,
+    allow_cut_end: bool = False,
+) -> EffectLog:
     """Read one rank's log; raise LogFormatError (file, line, what) on any defect.
 
-    With `expect_world`, a log of another PP x DP layout is rejected too.
+    With `expect_world`, a log of another PP x DP layout is rejected too. With
+    `allow_cut_end`, a last line the writer never finished (the rank died while
+    writing) ends the records instead of raising, as `purepp check` reads it.
     """
-    stream = LogStream(path, expect_world=expect_world)
+    allow_cut_end = check_bool("load_log", "allow_cut_end", allow_cut_end)
+    stream = LogStream(path, expect_world=expect_world, allow_cut_end=allow_cut_end)
     return EffectLog(stream.header, tuple(stream))
 
 
@@ -857,16 +866,23 @@ def check_same_run(directory: Path, headers: Sequence[tuple[Path, LogHeader]]) -
 
 
 def load_logs(
-    directory: str | os.PathLike[str], *, expect_world: Layout | None = None
+    directory: str | os.PathLike[str],
+    *,
+    expect_world: Layout | None = None,
+    allow_cut_end: bool = False,
 ) -> tuple[EffectLog, ...]:
     """Read every rank's log (`*.jsonl`) in `directory`, indexed by rank.
 
     The headers decide the ranks, not the file names. Raises LogFormatError when a
     log is bad, when the logs are not one run's (world, run id, config), or when a
-    rank is missing or appears twice.
+    rank is missing or appears twice. `allow_cut_end`: as for `load_log`, every log.
     """
     directory = as_path("load_logs", "directory", directory)
     check_world("load_logs", expect_world)
-    logs = [(path, load_log(path, expect_world=expect_world)) for path in log_paths(directory)]
+    allow_cut_end = check_bool("load_logs", "allow_cut_end", allow_cut_end)
+    logs = [
+        (path, load_log(path, expect_world=expect_world, allow_cut_end=allow_cut_end))
+        for path in log_paths(directory)
+    ]
     check_same_run(directory, [(path, log.header) for path, log in logs])
     return tuple(log for _, log in sorted(logs, key=lambda item: item[1].header.rank))
