@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from purepp.runner import supervise
-from purepp.runner.cli import main
+from purepp.runner.cli import launch, main
 from purepp.runner.exit_codes import Exit, interrupted
-from purepp.runner.options import check_log_dir
+from purepp.runner.options import UsageError, check_log_dir
 from purepp.runner.settings import RunSettings
 from purepp.runner.summary import RunSummary, summarise
 from purepp.runner.supervise import LOCK_FILE
@@ -173,6 +173,19 @@ def test_check_reads_a_golden_log(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == Exit.OK, out + err
     assert out.startswith("ok")
     assert err == ""
+
+
+def test_launch_takes_its_paths_as_a_path_too(tmp_path: Path) -> None:
+    # launch(log_dir=Path) crashed with AttributeError ('PosixPath' has no strip) where
+    # every log API takes a Path; a file in the way shows the Path was read and checked.
+    (tmp_path / "file").write_text("")
+    settings = RunSettings(pp=1, dp=1)
+    with pytest.raises(UsageError, match=r"--log-dir .*is a file, not a folder"):
+        launch(settings, log_dir=tmp_path / "file" / "logs", progress=False)
+    with pytest.raises(UsageError, match=r"--trace .*is a folder"):
+        launch(settings, trace=tmp_path, progress=False)
+    with pytest.raises(UsageError, match="launch: log_dir=3 is not a path"):
+        launch(settings, log_dir=3, progress=False)  # type: ignore[arg-type]
 
 
 # -- a run's end, the launcher's part given ---------------------------------------------

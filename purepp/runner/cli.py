@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import sys
 import uuid
 from collections.abc import Sequence
@@ -31,8 +32,8 @@ __all__ = ["launch", "main"]
 def launch(
     settings: RunSettings,
     *,
-    log_dir: str | None = None,
-    trace: str | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
+    trace: str | os.PathLike[str] | None = None,
     run_id: str | None = None,
     progress: bool = True,
 ) -> RunSummary:

@@ -602,11 +602,22 @@ def _check_devices(settings: RunSettings) -> None:
         )
 
 
+def _path_text(name: str, value: str | os.PathLike[str] | None) -> str | None:
+    """A path argument as the text the ranks' options take; a Path as well as a str."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, os.PathLike) and isinstance(text := os.fspath(value), str):
+        return text
+    raise UsageError(
+        "launch", f"{name}={value!r} is not a path", f"pass {name} as a str or a pathlib.Path"
+    )
+
+
 def launch(
     settings: RunSettings,
     *,
-    log_dir: str | None = None,
-    trace: str | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
+    trace: str | os.PathLike[str] | None = None,
     run_id: str | None = None,
     progress: bool = True,
 ) -> RunSummary:
@@ -618,6 +629,7 @@ def launch(
     Interrupted on SIGINT, SIGTERM or SIGHUP; every process is stopped and the
     temporary folder removed in each case.
     """
+    log_dir, trace = _path_text("log_dir", log_dir), _path_text("trace", trace)
     _check_devices(settings)
     if log_dir is not None:
         check_log_dir(log_dir)
