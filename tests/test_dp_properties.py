@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from purepp.cudagraph import BatchExecutionDescriptor, CudaGraphDispatcher, CUDAGraphMode
@@ -27,7 +27,7 @@ from purepp.dp import (
 )
 from purepp.effects.vocabulary import AllReduce, Communicator
 from purepp.errors import PureppError, StaleSyncError
-from tests.strategies import dp_worlds
+from tests.strategies import cudagraph_dispatchers, dp_worlds
 
 World = tuple[CudaGraphDispatcher, list[RankBatch]]
 
@@ -261,6 +261,69 @@ def test_reusing_the_agreement_on_every_rank_reproduces_it_with_no_collective(wo
     assert [without_loras(o.descriptor) for o in reused] == [
         without_loras(o.descriptor) for o in outcomes
     ]
+
+
+def seed_reuse(
+    dispatcher: CudaGraphDispatcher, batch: RankBatch, rank: int, agreed: DPSyncState
+) -> tuple[BatchExecutionDescriptor, tuple[list[int], int | None, bool, int]]:
+    """The seed's dispatch_cg_and_sync_dp given a dp_sync (dp_size > 1), step by step."""
+    if batch.need_eager or agreed.eager:
+        wanted = BatchExecutionDescriptor(
+            cg_mode=CUDAGraphMode.NONE,
+            num_tokens=batch.num_tokens,
+            num_reqs=batch.num_reqs,
+            num_active_loras=batch.num_active_loras,
+        )
+    else:
+        wanted = dispatcher.dispatch(
+            batch.num_reqs,
+            batch.num_tokens,
+            agreed.uniform_token_count,
+            num_active_loras=batch.num_active_loras,
+            max_query_len=batch.max_query_len,
+        )
+    assert agreed.num_tokens_across_dp[rank] == batch.num_tokens
+    assert agreed.uniform_token_count in (None, batch.uniform_token_count)
+    counts = agreed.num_tokens_across_dp.tolist()
+    if not agreed.eager and wanted.num_tokens != batch.num_tokens:
+        counts = [wanted.num_tokens] * len(counts)
+    return wanted, (counts, agreed.uniform_token_count, agreed.eager, agreed.num_reqs)
+
+
+@settings(max_examples=300)
+@given(dp_worlds(min_size=2), cudagraph_dispatchers(), st.data())
+def test_a_reuse_reproduces_the_seeds_dispatch_with_a_dp_sync(
+    world: World, drafter: CudaGraphDispatcher, data: st.DataObject
+) -> None:
+    """Another dispatcher (a drafter's), fewer requests, forced eager or other LoRA counts:
+    each rank decides as the seed does, with no collective. The caller passes the agreed
+    query-length bound, where purepp's reuse takes it from the sync (a documented
+    difference, stated by test_dp.py::test_a_reused_sync_supplies_the_agreed_query_length_bound).
+    """
+    dispatcher, batches = world
+    agreed = agree_across_ranks(dispatcher, batches)[0].sync
+    assume(agreed is not None)  # no rank had work: nothing to reuse
+    assert agreed is not None
+    limit = max(drafter.max_num_reqs, dispatcher.max_num_reqs)
+    drafter = data.draw(st.sampled_from([dispatcher, attrs.evolve(drafter, max_num_reqs=limit)]))
+    reusing = [
+        attrs.evolve(
+            b,
+            num_reqs=data.draw(st.integers(0, b.num_reqs)),
+            num_tokens=int(agreed.num_tokens_across_dp[rank]),
+            max_query_len=agreed.max_query_len,
+            need_eager=data.draw(st.sampled_from([False, False, False, True])),
+            num_active_loras=data.draw(st.sampled_from([0, 0, 1, 2, 5])),
+            dp_sync=agreed,
+        )
+        for rank, b in enumerate(batches)
+    ]
+    for rank, b in enumerate(reusing):
+        group = AgreementGroup(dp_size=len(batches), dp_rank=rank)
+        started = start_agreement(AgreementLanes(), group, drafter, b, step=5)
+        assert started.effects == ()
+        outcome = finish_agreement(started.state, started.result, None).result
+        assert as_plain(outcome) == seed_reuse(drafter, b, rank, agreed)
 
 
 @given(dp_worlds(min_size=2), st.data())
