@@ -642,6 +642,28 @@ def test_load_logs_rejects_an_inconsistent_directory(
         load_logs(tmp_path)
 
 
+def test_two_logs_of_one_rank_of_one_run_say_to_give_each_rank_its_own_header(
+    tmp_path: Path,
+) -> None:
+    # One run id: no other run's logs to remove, the recorders were given one rank.
+    header = LogHeader.for_run(rank=0, world=Layout(pp=2, dp=1), config={}, run_id="r1")
+    for name in ("worker-a.jsonl", "worker-b.jsonl"):
+        dump_log(EffectLog.from_effects(header, SAMPLE_EFFECTS), tmp_path / name)
+    with pytest.raises(LogFormatError) as caught:
+        load_logs(tmp_path)
+    assert caught.value.problem.endswith(
+        "worker-a.jsonl and worker-b.jsonl are both rank 0 of run 'r1'"
+    )
+    assert caught.value.fix == "give each rank's Recorder a LogHeader of its own global rank"
+    for path in tmp_path.iterdir():  # without run ids, either mistake
+        dump_log(EffectLog(attrs.evolve(header, run_id=None), SAMPLE.records), path)
+    with pytest.raises(LogFormatError, match=r"are both rank 0\. Fix: keep only") as caught:
+        load_logs(tmp_path)
+    assert caught.value.fix.endswith(
+        "or give each rank's Recorder a LogHeader of its own global rank"
+    )
+
+
 def test_load_logs_rejects_an_unexpected_world_and_an_empty_directory(tmp_path: Path) -> None:
     with pytest.raises(LogFormatError, match=r"holds no \*.jsonl logs"):
         load_logs(tmp_path)

@@ -849,10 +849,13 @@ def check_same_run(directory: Path, headers: Sequence[tuple[Path, LogHeader]]) -
                 _ONE_RUN,
             )
         if header.rank in seen:
+            # One run id: one run whose ranks were given the same header rank.
+            headers_fix = "give each rank's Recorder a LogHeader of its own global rank"
             raise _dir_fail(
                 directory,
-                f"{seen[header.rank].name} and {path.name} are both rank {header.rank}",
-                _ONE_RUN,
+                f"{seen[header.rank].name} and {path.name} are both rank {header.rank}"
+                + ("" if header.run_id is None else f" of run {header.run_id!r}"),
+                headers_fix if header.run_id is not None else f"{_ONE_RUN}, or {headers_fix}",
             )
         seen[header.rank] = path
     missing = [rank for rank in range(world.world_size) if rank not in seen]
