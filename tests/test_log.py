@@ -664,6 +664,18 @@ def test_two_logs_of_one_rank_of_one_run_say_to_give_each_rank_its_own_header(
     )
 
 
+def test_two_worlds_in_one_run_say_to_give_every_rank_the_runs_layout(tmp_path: Path) -> None:
+    for rank, world in enumerate((Layout(pp=2, dp=1), Layout(pp=2, dp=2))):
+        header = LogHeader.for_run(rank=rank, world=world, config={}, run_id="r1")
+        dump_log(EffectLog.from_effects(header, SAMPLE_EFFECTS), tmp_path / log_file_name(rank))
+    with pytest.raises(LogFormatError) as caught:
+        load_logs(tmp_path)
+    assert caught.value.problem.endswith(
+        "rank-0000.jsonl is of world pp=2, dp=1 but rank-0001.jsonl of pp=2, dp=2, both of run 'r1'"
+    )
+    assert caught.value.fix == "give every rank's LogHeader the run's one Layout"
+
+
 def test_load_logs_rejects_an_unexpected_world_and_an_empty_directory(tmp_path: Path) -> None:
     with pytest.raises(LogFormatError, match=r"holds no \*.jsonl logs"):
         load_logs(tmp_path)

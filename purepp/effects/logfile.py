@@ -821,11 +821,13 @@ def check_same_run(directory: Path, headers: Sequence[tuple[Path, LogHeader]]) -
     for path, header in headers:
         both = f"{first_path.name} and {path.name}"
         if header.world != world:
+            one_run = header.run_id is not None and header.run_id == first.run_id
             raise _dir_fail(
                 directory,
                 f"{first_path.name} is of world pp={world.pp}, dp={world.dp} but {path.name} "
-                f"of pp={header.world.pp}, dp={header.world.dp}",
-                _ONE_RUN,
+                f"of pp={header.world.pp}, dp={header.world.dp}"
+                + (f", both of run {header.run_id!r}" if one_run else ""),
+                "give every rank's LogHeader the run's one Layout" if one_run else _ONE_RUN,
             )
         if header.run_id != first.run_id:
             raise _dir_fail(
