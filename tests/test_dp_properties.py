@@ -241,8 +241,8 @@ def test_reusing_the_agreement_on_every_rank_reproduces_it_with_no_collective(wo
     agreed = outcomes[0].sync
     if agreed is None:
         return
-    # The sync does not carry the agreed query-length bound (seed parity), so the
-    # drafter passes the bound of the graph it replays, if any.
+    # The drafter passes the bound of the graph it replays, as a seed caller must; purepp's
+    # reuse dispatches with the sync's agreed bound instead (README, parity).
     reusing = [
         attrs.evolve(
             b,
