@@ -1054,6 +1054,23 @@ def test_load_logs_rejects_logs_of_two_runs_naming_both_files(tmp_path: Path) ->
         load_logs(tmp_path)
 
 
+def test_a_folder_of_two_runs_says_which_logs_are_of_which_run(tmp_path: Path) -> None:
+    world = Layout(pp=2, dp=1)
+    for run_id in ("a", "b"):
+        for rank in range(2):
+            header = LogHeader.for_run(rank=rank, world=world, config={"x": 1}, run_id=run_id)
+            path = tmp_path / f"{run_id}-{log_file_name(rank)}"
+            dump_log(EffectLog.from_effects(header, ()), path)
+    with pytest.raises(LogFormatError) as caught:
+        load_logs(tmp_path)
+    assert caught.value.problem.endswith(
+        "a-rank-0000.jsonl and b-rank-0000.jsonl are of different runs; the folder holds logs "
+        "of 2 runs (run_id 'a': a-rank-0000.jsonl, a-rank-0001.jsonl; "
+        "run_id 'b': b-rank-0000.jsonl, b-rank-0001.jsonl)"
+    )
+    assert caught.value.fix.endswith("(move each run's logs to a folder of its own)")
+
+
 def test_a_stream_reads_up_to_a_cut_last_line_only_when_asked(tmp_path: Path) -> None:
     path = tmp_path / "rank.jsonl"
     dump_log(SAMPLE, path)

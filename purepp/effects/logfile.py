@@ -809,6 +809,18 @@ def _show(value: str | None) -> str:
     return "none" if value is None else repr(value)
 
 
+def _runs(headers: Sequence[tuple[Path, LogHeader]]) -> str:
+    """Which files are of which run, for a folder holding several runs' logs."""
+    runs: dict[str | None, list[str]] = {}
+    for path, header in headers:
+        runs.setdefault(header.run_id, []).append(path.name)
+    shown = [
+        f"run_id {_show(run_id)}: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
+        for run_id, names in runs.items()
+    ]
+    return f"the folder holds logs of {len(runs)} runs ({'; '.join(shown)})"
+
+
 def check_same_run(directory: Path, headers: Sequence[tuple[Path, LogHeader]]) -> None:
     """Raise LogFormatError, naming both files, unless the headers are one run's ranks.
 
@@ -832,9 +844,8 @@ def check_same_run(directory: Path, headers: Sequence[tuple[Path, LogHeader]]) -
         if header.run_id != first.run_id:
             raise _dir_fail(
                 directory,
-                f"{both} are of different runs (run_id {_show(first.run_id)} and "
-                f"{_show(header.run_id)})",
-                _ONE_RUN,
+                f"{both} are of different runs; {_runs(headers)}",
+                f"{_ONE_RUN} (move each run's logs to a folder of its own)",
             )
         if header.config_digest != first.config_digest:
             raise _dir_fail(
