@@ -7,6 +7,7 @@ deadlock with its wait-for cycle, a log cut mid-record, logs of other runs mixed
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ from purepp.effects.checker import (
     check_logs,
 )
 from purepp.effects.log import EffectLog, LogHeader, dump_logs, load_log, log_file_name
+from purepp.effects.logfile import LOCK_FILE
 from purepp.effects.logmodel import config_digest
 from purepp.effects.matching import (
     DeadlockReport,
@@ -186,6 +188,23 @@ def test_header_only_logs_are_nothing_recorded_not_ok(tmp_path: Path) -> None:
     # chunks only) is told to record more steps, not that it never ran.
     assert "its steps had nothing to relay or agree" in report.text
     assert report.text.endswith("raise --steps, or pass --steps 0 to run every request to the end)")
+
+
+def test_logs_a_run_is_still_writing_are_checked_with_a_note_saying_so(tmp_path: Path) -> None:
+    # The logs of a live run end where each rank is now, which reads as a cut or a hang.
+    folder = write(tmp_path, PAIR, matched_pair())
+    (folder / LOCK_FILE).write_text("4242 run-1\n")  # a finished run leaves its lock file
+    assert check_logs(folder).text.startswith("ok: 2 ranks, ")
+    assert "still writing" not in check_logs(folder).text
+    with (folder / LOCK_FILE).open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as a running `purepp run` holds it
+        report = check_logs(folder)
+    assert (report.ok, report.exit_code) == (True, EXIT_OK)
+    assert report.text.splitlines()[1] == (
+        "note: a purepp run (pid and run id: 4242 run-1) is still writing these logs: this is "
+        "the check of the logs so far; check them again when it ends"
+    )
+    assert "still writing" not in check_logs(folder).text
 
 
 # ---- logs that are not one run's ---------------------------------------------------------

@@ -34,7 +34,13 @@ import attrs
 from purepp._checks import check_int
 from purepp._text import a_type, counted
 from purepp.effects._converter import EFFECT_KINDS
-from purepp.effects.logfile import LogStream, as_path, check_same_run, log_paths
+from purepp.effects.logfile import (
+    LogStream,
+    as_path,
+    check_same_run,
+    log_dir_writer,
+    log_paths,
+)
 from purepp.effects.logmodel import LogHeader
 from purepp.effects.matching import (
     AwaitedCollective,
@@ -118,9 +124,18 @@ def check_logs(
     try:
         if max_steps_in_flight is not None:
             check_int("check_logs", "max_steps_in_flight", max_steps_in_flight, 1, config=True)
-        return _Check(folder, max_steps_in_flight).run()
+        report = _Check(folder, max_steps_in_flight).run()
     except (LogFormatError, ConfigError) as error:
-        return CheckReport(ok=False, exit_code=EXIT_UNUSABLE, text=f"{_CALL}: {error}")
+        report = CheckReport(ok=False, exit_code=EXIT_UNUSABLE, text=f"{_CALL}: {error}")
+    writer = log_dir_writer(folder)
+    if writer is None:
+        return report
+    # A live run's logs end where each rank is now: read as a cut or a hang, they are not.
+    return attrs.evolve(
+        report,
+        text=f"{report.text}\nnote: a purepp run (pid and run id: {writer}) is still writing"
+        " these logs: this is the check of the logs so far; check them again when it ends",
+    )
 
 
 def check_log_dir(directory: str | os.PathLike[str], out: TextIO | None = None) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import fcntl
 import json
 import os
 import re
@@ -58,6 +59,7 @@ from purepp.errors import InvalidInputError, LogFormatError, PureppError
 from purepp.layout import Layout
 
 __all__ = [
+    "LOCK_FILE",
     "LogStream",
     "as_path",
     "check_same_run",
@@ -66,12 +68,16 @@ __all__ = [
     "header_json",
     "load_log",
     "load_logs",
+    "log_dir_writer",
     "log_file_name",
     "log_paths",
     "os_reason",
     "record_json",
     "record_lines",
 ]
+
+# In a log folder, locked by the `purepp run` writing there (purepp.runner.supervise).
+LOCK_FILE: Final = ".purepp.lock"
 
 _REWRITE = "regenerate the log with purepp's Recorder or dump_log; do not edit logs by hand"
 _ONE_RUN = "keep only the logs of one run in the directory"
@@ -803,6 +809,19 @@ def log_paths(directory: str | os.PathLike[str]) -> tuple[Path, ...]:
             directory, "holds no *.jsonl logs", "pass the directory the ranks' logs were written to"
         )
     return paths
+
+
+def log_dir_writer(directory: Path) -> str | None:
+    """The lock's text (pid and run id) when a `purepp run` still writes `directory`."""
+    try:
+        with (directory / LOCK_FILE).open("r") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return lock.read(200).strip()
+    except OSError:  # no lock file: no run wrote here, or one that removed it
+        pass
+    return None
 
 
 def _show(value: str | None) -> str:

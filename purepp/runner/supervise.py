@@ -35,6 +35,7 @@ from types import FrameType
 
 import attrs
 
+from purepp.effects import logfile
 from purepp.runner.exit_codes import RankExit
 from purepp.runner.options import UsageError, check_log_dir, check_trace
 from purepp.runner.progress import PARENT_PID_ENV, Beat, read_beat
@@ -52,7 +53,7 @@ __all__ = [
     "worker_argv",
 ]
 
-LOCK_FILE = ".purepp.lock"  # in --log-dir, held by the run writing there
+LOCK_FILE = logfile.LOCK_FILE  # in --log-dir, held by the run writing there (purepp check reads it)
 
 _POLL_S = 0.1
 _SETTLE_S = 1.0  # after a failure, for its peers to fail too before blaming one
