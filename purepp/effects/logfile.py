@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import fcntl
 import json
 import os
 import re
@@ -813,6 +812,10 @@ def log_paths(directory: str | os.PathLike[str]) -> tuple[Path, ...]:
 
 def log_dir_writer(directory: Path) -> str | None:
     """The lock's text (pid and run id) when a `purepp run` still writes `directory`."""
+    try:
+        import fcntl  # here: logs are read on any OS, and purepp run locks only on POSIX
+    except ImportError:
+        return None
     try:
         with (directory / LOCK_FILE).open("r") as lock:
             try:
