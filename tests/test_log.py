@@ -704,6 +704,17 @@ def test_load_logs_of_a_folder_above_the_logs_names_the_folders_holding_them(
     assert "run-a" in report.text
 
 
+def test_load_logs_of_compressed_logs_says_to_decompress_them(tmp_path: Path) -> None:
+    for path in dump_logs(world_logs(Layout(pp=2, dp=1)), tmp_path):
+        path.replace(path.with_name(path.name + ".gz"))  # as `gzip rank-*.jsonl` leaves them
+    with pytest.raises(LogFormatError) as caught:
+        load_logs(tmp_path)
+    assert caught.value.problem == (
+        f"{tmp_path}: holds no *.jsonl logs, but rank-0000.jsonl.gz, rank-0001.jsonl.gz"
+    )
+    assert caught.value.fix.startswith("decompress the logs into *.jsonl files")
+
+
 def test_dump_logs_refuses_two_logs_of_one_rank(tmp_path: Path) -> None:
     with pytest.raises(InvalidInputError, match=r"ranks \[1\] appear more than once"):
         dump_logs([SAMPLE, SAMPLE], tmp_path)

@@ -788,6 +788,8 @@ def log_paths(directory: str | os.PathLike[str]) -> tuple[Path, ...]:
         paths = tuple(sorted(directory.glob("*.jsonl")))
         # A folder above the logs' (runs kept side by side): name where they are.
         below = () if paths else tuple(sorted({p.parent for p in directory.glob("*/*.jsonl")}))
+        # Logs compressed to be moved between machines.
+        packed = () if paths else tuple(sorted(p.name for p in directory.glob("*.jsonl.*")))
     except (OSError, ValueError) as error:  # a name too long, a NUL in the path
         raise _dir_fail(
             directory,
@@ -803,6 +805,13 @@ def log_paths(directory: str | os.PathLike[str]) -> tuple[Path, ...]:
                 f"holds no *.jsonl logs, but its folder{'s' if len(below) > 1 else ''} "
                 f"{shown}{more} {'do' if len(below) > 1 else 'does'}",
                 f"pass the folder a run's logs were written to, such as {str(below[0])!r}",
+            )
+        if packed:
+            raise _dir_fail(
+                directory,
+                f"holds no *.jsonl logs, but {', '.join(packed[:3])}"
+                f"{', ...' if len(packed) > 3 else ''}",
+                "decompress the logs into *.jsonl files (e.g. gunzip rank-*.jsonl.gz) first",
             )
         raise _dir_fail(
             directory, "holds no *.jsonl logs", "pass the directory the ranks' logs were written to"
