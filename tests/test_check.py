@@ -326,6 +326,11 @@ def test_a_cut_sender_leaves_the_receiver_waiting_and_the_report_says_on_what(
     lines = report.text.splitlines()
     assert lines[0].startswith("Log cut: rank 1's log ends mid-record at rank-0001.jsonl line 9")
     assert "  mismatch: missing rank; culprit: rank 1" in lines
+    # The missing rank's log ended: a rank that died, not only one that skipped an op.
+    assert (
+        "  rank 1's log ends at step 2 (7 records), before op #2 on pp_relay: the rank died or "
+        "stopped there, or skipped it"
+    ) in lines
     assert "What every rank was waiting on:" in lines
     assert any(line.startswith("  rank 0 [relay stream] waits at step 2") for line in lines)
 
@@ -486,6 +491,10 @@ def test_a_host_synchronize_waits_for_its_stream_and_names_what_it_waits_for(
     missing = finding(report)
     assert isinstance(missing, MismatchReport)
     assert (missing.classification, missing.culprit) == (MismatchClass.MISSING_RANK, 1)
+    assert (
+        "  rank 1's log ends before its first step (0 records), before op #0 on pp_relay: the "
+        "rank died or stopped there, or skipped it"
+    ) in report.text.splitlines()
     waits = [line for line in report.text.splitlines() if "[host and main stream]" in line]
     assert waits == [
         "  rank 0 [host and main stream] waits at step 0 (receive) on synchronize(relay)"

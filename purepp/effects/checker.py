@@ -356,14 +356,26 @@ class _Check:
             ok=True,
         )
 
+    def _where_ended(self, rank: _RankReplay) -> str:
+        return "before its first step" if rank.last_step is None else f"at step {rank.last_step}"
+
     def _ended(self, rank: _RankReplay) -> str:
-        where = "before its first step" if rank.last_step is None else f"at step {rank.last_step}"
+        where = self._where_ended(rank)
         return f"rank {rank.rank}: log ends {where} ({rank.records} records), nothing pending"
 
     def _finding(self, report: Report, waiting: DeadlockReport | None = None) -> CheckReport:
         cut = self._cut()
         lines = [f"Log cut: {c.describe()}" for c in cut]
         lines.append(report.render())
+        if isinstance(report, MismatchReport) and report.received is None:
+            # A log that ends before the op: that rank may have died there, not skipped it.
+            lines += [
+                f"  rank {r.rank}'s log ends {self._where_ended(r)} ({r.records} records), "
+                f"before op #{report.seq} on {report.comm.value}: the rank died or stopped "
+                "there, or skipped it"
+                for r in self._ranks
+                if r.rank in report.missing and r.peek() is None
+            ]
         if waiting is not None and waiting is not report:
             lines.append("What every rank was waiting on:")
             lines += [f"  {w.describe()}" for w in waiting.waiters]
