@@ -48,6 +48,7 @@ from purepp.effects.vocabulary import (
 )
 from purepp.errors import LogFormatError
 from purepp.layout import Layout
+from purepp.testing import ScheduleConfig, make_schedule, record_scripted_logs
 from tests.test_simulator import waits_for_a_work, waits_through_an_event
 
 PAIR = Layout(pp=2, dp=1)  # a two-stage pipeline: ranks 0 and 1 share pp_relay
@@ -268,13 +269,135 @@ def test_a_digest_names_the_config_as_json() -> None:
     assert config_digest({"model": "Qwen-é"}) != config_digest({"model": "Qwen-e"})
 
 
-def test_a_missing_rank_and_an_empty_folder_are_unusable(tmp_path: Path) -> None:
-    write(tmp_path, PAIR, matched_pair())
+# ---- a rank with no log ------------------------------------------------------------------
+
+
+def recorded_pp2_dp2(directory: Path, *, without: Sequence[int]) -> Path:
+    """A recorded pp=2 x dp=2 run's logs, less those of the ranks `without`."""
+    schedule = make_schedule(ScheduleConfig(pp=2, dp=2, spec=1, steps=4, seed=2024))
+    dump_logs(record_scripted_logs(schedule), directory)
+    for rank in without:
+        (directory / log_file_name(rank)).unlink()
+    return directory
+
+
+def missing_line(rank: int, where: str | None = None) -> str:
+    where = f"{log_file_name(rank)} is absent" if where is None else where
+    return (
+        f"Log missing: rank {rank} of a world of 4 (pp=2, dp=2) has no log: {where} (the rank "
+        "died before writing its header, or its log was not copied); the other ranks are "
+        "checked with it as a rank that issued nothing"
+    )
+
+
+def test_a_rank_with_no_log_is_named_and_the_others_are_checked(tmp_path: Path) -> None:
+    # Rank 1 (stage 1 of replica 0) died before writing its header: the other three
+    # logs are replayed, rank 1 as a rank that issued nothing.
+    report = check_logs(recorded_pp2_dp2(tmp_path, without=[1]))
+    missing = finding(report)
+    assert isinstance(missing, MismatchReport)
+    assert (missing.classification, missing.culprit, missing.comm, missing.seq) == (
+        MismatchClass.MISSING_RANK,
+        1,
+        Communicator.DP_CPU,
+        0,
+    )
+    assert (report.absent, report.ranks) == ((1,), 3)
+    lines = report.text.splitlines()
+    assert lines[0] == missing_line(1)
+    assert lines[1] == "Unmatched collective: op #0 on dp_cpu (ranks 1, 3)"
+    assert "  rank 3 posted   all_reduce [5, 2] int32 (step 0, agree) and waits" in lines
+    assert (
+        "  rank 1 has no log, so no record of op #0 on dp_cpu: the rank died before writing its "
+        "header, or its log was not copied"
+    ) in lines
+    # What each present rank was waiting on when the run stopped.
+    waits = lines[lines.index("What every rank was waiting on:") + 1 :]
+    assert [line.split(" waits at ")[0] for line in waits if " waits at " in line] == [
+        "  rank 0 [host and main stream]",
+        "  rank 2 [relay stream]",
+        "  rank 2 [between steps]",
+        "  rank 3 [host and main stream]",
+    ]
+    assert (
+        "  rank 3 [host and main stream] waits at step 0 (agree) on all_reduce("
+        "'dp.target.step0.table' over dp_cpu, synchronous)"
+    ) in waits
+    assert waits[-1] == "  no log: rank(s) 1"
+
+
+@pytest.mark.parametrize(("gone", "waiter"), [(0, 2), (3, 1)], ids=["rank-0", "last-rank"])
+def test_the_first_or_the_last_rank_with_no_log_is_named(
+    tmp_path: Path, gone: int, waiter: int
+) -> None:
+    report = check_logs(recorded_pp2_dp2(tmp_path, without=[gone]))
+    missing = finding(report)
+    assert isinstance(missing, MismatchReport)
+    assert (missing.culprit, missing.rank, missing.comm, missing.seq) == (
+        gone,
+        waiter,
+        Communicator.DP_CPU,
+        0,
+    )
+    assert (report.absent, report.ranks) == ((gone,), 3)
+    lines = report.text.splitlines()
+    assert lines[0] == missing_line(gone)
+    present = sorted({0, 1, 2, 3} - {gone})
+    waits = lines[lines.index("What every rank was waiting on:") + 1 :]
+    assert sorted({int(line.split()[1]) for line in waits if " waits at " in line}) == present
+    assert waits[-1] == f"  no log: rank(s) {gone}"
+
+
+def test_ranks_with_no_log_exit_1_and_logs_that_cannot_say_which_exit_2(tmp_path: Path) -> None:
+    folder = recorded_pp2_dp2(tmp_path / "run", without=[1, 2])
+    out = io.StringIO()
+    assert check_log_dir(folder, out) == EXIT_FINDING
+    assert out.getvalue().splitlines()[:2] == [missing_line(1), missing_line(2)]
+    assert check_logs(folder).absent == (1, 2)
+    # A log of another world beside them: which ranks are missing is not known.
+    write(tmp_path / "other", PAIR, matched_pair())
+    (tmp_path / "other" / log_file_name(1)).replace(folder / log_file_name(1))
+    report = check_logs(folder)
+    assert (report.exit_code, report.absent) == (EXIT_UNUSABLE, ())
+    assert "is of world pp=2, dp=2 but rank-0001.jsonl of pp=2, dp=1" in report.text
+    # No logs at all.
+    assert check_logs(tmp_path / "absent").exit_code == EXIT_UNUSABLE
+    (tmp_path / "empty").mkdir()
+    assert check_logs(tmp_path / "empty").exit_code == EXIT_UNUSABLE
+
+
+def test_a_file_of_the_missing_ranks_name_holding_another_rank_is_said_so(
+    tmp_path: Path,
+) -> None:
+    # Headers decide the ranks: rank 3's log renamed rank-0001.jsonl leaves rank 1 with none.
+    folder = recorded_pp2_dp2(tmp_path, without=[1])
+    (folder / log_file_name(3)).replace(folder / log_file_name(1))
+    report = check_logs(folder)
+    finding(report)
+    assert report.absent == (1,)
+    assert report.text.splitlines()[0] == missing_line(
+        1, "no log has its header (rank-0001.jsonl holds rank 3's)"
+    )
+
+
+def test_a_rank_with_no_log_is_a_finding_even_when_the_others_matched(tmp_path: Path) -> None:
+    # Stage 0 issued only local effects: nothing waits on the missing stage 1, yet the
+    # run is not ok.
+    local = [Release(step=step, op=Op.END_STEP, buffer=BufferRef("x")) for step in range(2)]
+    write(tmp_path, PAIR, [local, local])
     (tmp_path / log_file_name(1)).unlink()
     report = check_logs(tmp_path)
-    assert report.exit_code == EXIT_UNUSABLE
-    assert "ranks [1] of a world of 2" in report.text
-    assert check_logs(tmp_path / "absent").exit_code == EXIT_UNUSABLE
+    assert (report.ok, report.exit_code, report.finding, report.absent) == (
+        False,
+        EXIT_FINDING,
+        None,
+        (1,),
+    )
+    assert report.text.splitlines()[1:] == [
+        "  every collective logged matched; each rank's log ends:",
+        "  rank 0: log ends at step 1 (2 records), nothing pending",
+        "  rank 1: no log",
+    ]
 
 
 # ---- what a crash leaves -------------------------------------------------------------------

@@ -17,9 +17,12 @@ Outcomes (`CheckReport.exit_code`):
   wait-for cycle), the stages of one replica contributing different columns to one
   agreement (a stage divergence: they would run different shapes), a log that ends
   mid-record (the rank died while writing; the report says what every rank was waiting
-  on), or logs that recorded nothing;
-- 2: the logs cannot be used: unreadable, corrupted before their last line, of other
-  runs or configs mixed in one folder, or a rank missing.
+  on), a rank with no log (it died before writing its header, or its log was not
+  copied: the others are checked with it as a rank that issued nothing, and the report
+  names its file and says what every rank was waiting on), or logs that recorded nothing;
+- 2: the logs cannot be used: none at all, unreadable, corrupted before their last
+  line, of other runs or configs mixed in one folder, or headers that disagree on the
+  world (so which rank has no log cannot be known).
 """
 
 from __future__ import annotations
@@ -39,9 +42,9 @@ from purepp.effects.logfile import (
     as_path,
     check_same_run,
     log_dir_writer,
+    log_file_name,
     log_paths,
 )
-from purepp.effects.logmodel import LogHeader
 from purepp.effects.matching import (
     AwaitedCollective,
     CollectiveReportError,
@@ -56,6 +59,7 @@ from purepp.effects.numpy_interpreter import describe_effect
 from purepp.effects.scheduler import LOCAL_KINDS, CollectiveHub, StreamLanes
 from purepp.effects.vocabulary import AllReduce, Broadcast, Effect
 from purepp.errors import ConfigError, InvalidInputError, LogFormatError
+from purepp.layout import Layout
 
 __all__ = [
     "EXIT_FINDING",
@@ -68,7 +72,7 @@ __all__ = [
 ]
 
 EXIT_OK: Final = 0  # every collective matched
-EXIT_FINDING: Final = 1  # a mismatch, a deadlock, a log cut mid-record, or nothing recorded
+EXIT_FINDING: Final = 1  # a mismatch, a deadlock, a log cut or missing, or nothing recorded
 EXIT_UNUSABLE: Final = 2  # the logs cannot be read as one run's
 
 _CALL = "purepp check"
@@ -102,12 +106,14 @@ class CheckReport:
     ok: bool  # every collective matched, and something was recorded
     exit_code: int  # EXIT_OK, EXIT_FINDING or EXIT_UNUSABLE
     text: str  # a one-line summary when ok, else the full report (several lines)
-    ranks: int = 0  # logs read, one per rank
+    ranks: int = 0  # logs read, one per rank that has one
     records: int = 0  # records read, all ranks together
     collectives: int = 0  # collectives issued, all ranks together
     steps: int = 0  # distinct decode steps seen (the most any rank logged)
     finding: Report | None = None  # the mismatch or deadlock, if any
     cut: tuple[CutLog, ...] = ()  # logs that end mid-record
+    # Ranks with no log in the folder, checked as ranks that issued nothing.
+    absent: tuple[int, ...] = ()
 
 
 def check_logs(
@@ -157,16 +163,17 @@ def check_log_dir(directory: str | os.PathLike[str], out: TextIO | None = None) 
 class _RankReplay:
     """One rank: its log read lazily, one record of lookahead, and its streams."""
 
-    def __init__(self, stream: LogStream, lanes: StreamLanes) -> None:
+    def __init__(
+        self, rank: int, world: Layout, stream: LogStream | None, lanes: StreamLanes
+    ) -> None:
+        # None: the rank has no log, replayed as a log that ends after its header
         self.stream = stream
-        self.header: LogHeader = stream.header
-        self.rank = stream.header.rank
-        world = stream.header.world
+        self.rank = rank
         # the other stages of its pipeline: it may not run too far ahead of them
         self.peers = tuple(r for r in world.pipeline(world.dp_index(self.rank)) if r != self.rank)
         self.lanes = lanes
         # Records that never wait come as their step and kind only (see LOCAL_KINDS).
-        self.items = stream.scan(LOCAL_KINDS)
+        self.items = iter(()) if stream is None else stream.scan(LOCAL_KINDS)
         # the next record (or run of records that never wait), once read
         self.next: tuple[int, str, Effect | None, int] | None = None
         self.ended = False  # the log has no more records
@@ -208,14 +215,19 @@ class _Check:
         try:
             for path in log_paths(self._directory):
                 streams.append(LogStream(path, allow_cut_end=True))
-            check_same_run(self._directory, [(s.path, s.header) for s in streams])
-            return self._replay(sorted(streams, key=lambda s: s.header.rank))
+            # A rank with no log (it died before its header, or its file was not copied)
+            # is known from the others' headers: the rest are still worth checking.
+            check_same_run(
+                self._directory, [(s.path, s.header) for s in streams], allow_missing=True
+            )
+            return self._replay(streams)
         finally:
             for stream in streams:
                 stream.close()
 
     def _replay(self, streams: list[LogStream]) -> CheckReport:
         world = streams[0].header.world
+        by_rank: dict[int, LogStream] = {s.header.rank: s for s in streams}
         in_flight = world.pp if self._in_flight_option is None else self._in_flight_option
         if in_flight < 1:
             raise ConfigError(
@@ -223,7 +235,12 @@ class _Check:
             )
         self._world, self._in_flight = world, in_flight
         self._hub = CollectiveHub(world, call=_CALL, move_data=False)
-        self._ranks = [_RankReplay(s, StreamLanes(s.header.rank, self._hub)) for s in streams]
+        # Indexed by rank, every rank of the world, those with no log too.
+        self._ranks = [
+            _RankReplay(rank, world, by_rank.get(rank), StreamLanes(rank, self._hub))
+            for rank in range(world.world_size)
+        ]
+        self._names = {s.path.name: s.header.rank for s in streams}
         try:
             while not self._done():
                 progressed = False
@@ -312,13 +329,17 @@ class _Check:
             ok=ok,
             exit_code=EXIT_OK if ok else EXIT_FINDING,
             text=text,
-            ranks=len(self._ranks),
+            ranks=sum(r.stream is not None for r in self._ranks),
             records=sum(r.records for r in self._ranks),
             collectives=sum(r.collectives for r in self._ranks),
             steps=max((r.steps for r in self._ranks), default=0),
             finding=finding,
             cut=cut,
+            absent=self._absent(),
         )
+
+    def _absent(self) -> tuple[int, ...]:
+        return tuple(r.rank for r in self._ranks if r.stream is None)
 
     def _cut(self) -> tuple[CutLog, ...]:
         return tuple(
@@ -330,14 +351,35 @@ class _Check:
                 last_step=r.last_step,
             )
             for r in self._ranks
-            if r.stream.cut_line is not None
+            if r.stream is not None and r.stream.cut_line is not None
         )
+
+    def _gone(self, cut: tuple[CutLog, ...]) -> list[str]:
+        """The report's first lines: the ranks with no log, then the logs cut mid-record."""
+        lines = []
+        for rank in self._absent():
+            name = log_file_name(rank)
+            # Headers decide the ranks: a file of that name may hold another rank's log.
+            holder = self._names.get(name)
+            where = (
+                f"{name} is absent"
+                if holder is None
+                else f"no log has its header ({name} holds rank {holder}'s)"
+            )
+            lines.append(
+                f"Log missing: rank {rank} of a world of {self._world.world_size} "
+                f"(pp={self._world.pp}, dp={self._world.dp}) has no log: {where} (the rank "
+                "died before writing its header, or its log was not copied); the other ranks"
+                " are checked with it as a rank that issued nothing"
+            )
+        return lines + [f"Log cut: {c.describe()}" for c in cut]
 
     def _completed(self) -> CheckReport:
         cut = self._cut()
-        if cut:
-            lines = [f"Log cut: {c.describe()}" for c in cut]
-            lines.append("  every collective logged before the cut matched; each rank's log ends:")
+        if cut or self._absent():
+            lines = self._gone(cut)
+            logged = "logged before the cut" if cut else "logged"
+            lines.append(f"  every collective {logged} matched; each rank's log ends:")
             lines += [f"  {self._ended(r)}" for r in self._ranks]
             return self._report("\n".join(lines), cut=cut)
         summary = self._report("")
@@ -360,28 +402,43 @@ class _Check:
         return "before its first step" if rank.last_step is None else f"at step {rank.last_step}"
 
     def _ended(self, rank: _RankReplay) -> str:
+        if rank.stream is None:
+            return f"rank {rank.rank}: no log"
         where = self._where_ended(rank)
         return f"rank {rank.rank}: log ends {where} ({rank.records} records), nothing pending"
 
+    def _never_posted(self, rank: _RankReplay, report: MismatchReport) -> str:
+        op = f"op #{report.seq} on {report.comm.value}"
+        if rank.stream is None:
+            return (
+                f"  rank {rank.rank} has no log, so no record of {op}: the rank died before "
+                "writing its header, or its log was not copied"
+            )
+        return (
+            f"  rank {rank.rank}'s log ends {self._where_ended(rank)} ({rank.records} records), "
+            f"before {op}: the rank died or stopped there, or skipped it"
+        )
+
     def _finding(self, report: Report, waiting: DeadlockReport | None = None) -> CheckReport:
         cut = self._cut()
-        lines = [f"Log cut: {c.describe()}" for c in cut]
+        lines = self._gone(cut)
         lines.append(report.render())
         if isinstance(report, MismatchReport) and report.received is None:
             # A log that ends before the op: that rank may have died there, not skipped it.
             lines += [
-                f"  rank {r.rank}'s log ends {self._where_ended(r)} ({r.records} records), "
-                f"before op #{report.seq} on {report.comm.value}: the rank died or stopped "
-                "there, or skipped it"
+                self._never_posted(r, report)
                 for r in self._ranks
                 if r.rank in report.missing and r.peek() is None
             ]
         if waiting is not None and waiting is not report:
             lines.append("What every rank was waiting on:")
             lines += [f"  {w.describe()}" for w in waiting.waiters]
-            if waiting.finished:
-                ended = ", ".join(str(r) for r in waiting.finished)
-                lines.append(f"  logs ended: rank(s) {ended}")
+            ended = [r for r in waiting.finished if self._ranks[r].stream is not None]
+            if ended:
+                lines.append(f"  logs ended: rank(s) {', '.join(str(r) for r in ended)}")
+            absent = [r for r in waiting.finished if self._ranks[r].stream is None]
+            if absent:
+                lines.append(f"  no log: rank(s) {', '.join(str(r) for r in absent)}")
         return self._report("\n".join(lines), finding=report, cut=cut)
 
     def _stuck(self) -> CheckReport:

@@ -852,11 +852,14 @@ def _runs(headers: Sequence[tuple[Path, LogHeader]]) -> str:
     return f"the folder holds logs of {len(runs)} runs ({'; '.join(shown)})"
 
 
-def check_same_run(directory: Path, headers: Sequence[tuple[Path, LogHeader]]) -> None:
+def check_same_run(
+    directory: Path, headers: Sequence[tuple[Path, LogHeader]], *, allow_missing: bool = False
+) -> tuple[int, ...]:
     """Raise LogFormatError, naming both files, unless the headers are one run's ranks.
 
     One run's logs share the world, the run id, the config and its digest, and hold
-    every rank exactly once.
+    every rank exactly once. With `allow_missing`, ranks that have no log are returned
+    instead of refused (the headers say the world, so which ranks they are is known).
     """
     first_path, first = headers[0]
     world = first.world
@@ -903,13 +906,14 @@ def check_same_run(directory: Path, headers: Sequence[tuple[Path, LogHeader]]) -
             )
         seen[header.rank] = path
     missing = [rank for rank in range(world.world_size) if rank not in seen]
-    if missing:
+    if missing and not allow_missing:
         raise _dir_fail(
             directory,
             f"ranks {missing} of a world of {world.world_size} (pp={world.pp}, dp={world.dp}) "
             "have no log",
             "copy every rank's log into the directory",
         )
+    return tuple(missing)
 
 
 def load_logs(
