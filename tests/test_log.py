@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from purepp.effects import logfile
 from purepp.effects._converter import CONVERTER, structure_effect, unstructure_effect
 from purepp.effects.checker import check_logs
 from purepp.effects.interpreter import Interpreter
@@ -38,6 +39,7 @@ from purepp.effects.log import (
     record_json,
     replay,
 )
+from purepp.effects.logmodel import Numbering
 from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.vocabulary import (
     Allocate,
@@ -1277,3 +1279,155 @@ def test_a_scan_of_a_scripted_run_builds_every_effect_loading_builds(
         assert [effect for _, _, effect, _ in scanned] == list(log.effects)
         assert list(load_log(path).effects) == list(log.effects)
         assert [step for step, _, _, _ in scanned] == [e.step for e in log.effects]
+
+
+# -- loading reads through the checker's templates, and gives what reading in full gives
+
+
+def load_both_ways(
+    path: Path, monkeypatch: pytest.MonkeyPatch, *, allow_cut_end: bool = False
+) -> tuple[EffectLog, int, EffectLog, int]:
+    """load_log(path) through templates, then with every line read in full (no template
+    kept), from no template seen; each log with how many lines were read in full."""
+    full_reads = [0]
+    read_in_full = LogStream._record
+
+    def counted(stream: LogStream, data: bytes, numbering: Numbering) -> LogRecord:
+        full_reads[0] += 1
+        return read_in_full(stream, data, numbering)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(LogStream, "_record", counted)
+        patched.setattr(logfile, "_SEEN_TEMPLATES", {})
+        fast = load_log(path, allow_cut_end=allow_cut_end)
+        fast_reads, full_reads[0] = full_reads[0], 0
+        patched.setattr(logfile, "_SEEN_TEMPLATES", {})
+        patched.setattr(logfile, "_template", lambda rest, effect, kind: None)
+        slow = load_log(path, allow_cut_end=allow_cut_end)
+    return fast, fast_reads, slow, full_reads[0]
+
+
+def assert_loaded_alike(path: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Both ways give equal logs, down to each value's type; the lines read in full."""
+    fast, fast_reads, slow, slow_reads = load_both_ways(path, monkeypatch)
+    assert slow_reads == len(slow.records)  # the reference read every line in full
+    assert fast == slow
+    assert repr(fast) == repr(slow)  # a BufferRef, not a str equal to it
+    dump_log(fast, path.with_name("again.jsonl"))
+    assert path.with_name("again.jsonl").read_bytes() == path.read_bytes()
+    return fast_reads
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(GOLDEN_DIR.glob("*/rank-*.jsonl")),
+    ids=lambda path: f"{path.parent.name}/{path.name}",
+)
+def test_loading_a_golden_log_through_templates_gives_what_reading_in_full_gives(
+    path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copy = tmp_path / path.name
+    shutil.copyfile(path, copy)
+    fast_reads = assert_loaded_alike(copy, monkeypatch)
+    assert fast_reads < len(load_log(path).records) / 2  # most lines built from a template
+
+
+def test_loading_a_long_log_through_templates_gives_what_reading_in_full_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 150 steps cross 9 -> 10 and 99 -> 100, so names and numbers change length.
+    from purepp.relay import Wire
+    from purepp.testing import ScheduleConfig, make_schedule, record_scripted_logs
+
+    for wire in Wire:
+        config = ScheduleConfig(pp=3, dp=2, spec=2, steps=150, seed=5, wire=wire)
+        for log in record_scripted_logs(make_schedule(config)):
+            path = tmp_path / f"{wire.value}-rank-{log.header.rank}.jsonl"
+            dump_log(log, path)
+            fast_reads = assert_loaded_alike(path, monkeypatch)
+            assert load_log(path) == log
+            assert fast_reads < len(log.records) / 4
+
+
+def test_loading_a_log_of_repeated_steps_through_templates_gives_what_reading_in_full_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Templates of ten-digit numbers (checked against int32 on every line), and local records.
+    path = tmp_path / "rank.jsonl"
+    dump_log(repeated_steps(200), path)
+    assert assert_loaded_alike(path, monkeypatch) < 20
+    dump_log(local_steps(200), path)
+    assert assert_loaded_alike(path, monkeypatch) < 20
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("[1147483648, 1147483648]]", "[2147483648, 1147483648]]"),  # past int32
+        ('"shape": [4, 2]', '"shape": [4, 02]'),  # a leading zero
+        ('{"seq": 16, ', '{"seq": 17, '),
+        ('16, "comm_seq": 5, ', '16, "comm_seq": 6, '),
+        ('16, "comm_seq": 5, ', '16, "comm_seq": null, '),
+        ('"waits_for": "main"', '"waits_for": "rely"'),
+        ('"dtype": "int64"', '"dtype": "int65"'),
+        ('{"shape": [2, 2], "values"', '{"shape": [3, 2], "values"'),
+        ('"src": 1', '"src": 1.5'),
+        ('"src": 1', '"src": ' + "1" * 5000),  # past Python's int() digit limit
+        ('"step": 15, ', '"step": 15, "step": 15, '),
+        ("}}\n", "}} x\n"),
+        ("}}\n", "}}\n\n"),  # an empty line
+        ("}}\n", "}}\n" + header_json(HEADER) + "\n"),  # two logs joined
+        ('"op": "receive"', '"op": "r\\u00e9ceive"'),
+        ('"op": "receive"', '"op": "r\u00e9ceive"'),  # not ASCII
+        ("}}\n", "}}"),  # a cut last line
+    ],
+    ids=[
+        "int32-range",
+        "leading-zero",
+        "seq",
+        "comm-seq",
+        "comm-seq-null",
+        "enum",
+        "enum-digits",
+        "array-shape",
+        "float",
+        "too-long",
+        "duplicate-key",
+        "trailing-text",
+        "empty-line",
+        "joined-header",
+        "escape",
+        "not-ascii",
+        "cut",
+    ],
+)
+def test_loading_through_templates_rejects_a_bad_line_as_reading_in_full_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old: str, new: str
+) -> None:
+    path = tmp_path / "rank.jsonl"
+    dump_log(repeated_steps(6), path)
+    text = path.read_text()
+    at = text.rindex(old)  # a late line, read through a template seen earlier
+    path.write_bytes((text[:at] + new + text[at + len(old) :]).encode("utf-8"))
+    errors = []
+    for without_templates in (False, True):
+        with monkeypatch.context() as patched:
+            patched.setattr(logfile, "_SEEN_TEMPLATES", {})
+            if without_templates:
+                patched.setattr(logfile, "_template", lambda rest, effect, kind: None)
+            with pytest.raises(LogFormatError) as caught:
+                load_log(path)
+        errors.append((type(caught.value), str(caught.value)))
+    assert errors[0] == errors[1]
+    assert " line " in errors[0][1]
+
+
+def test_loading_a_cut_log_through_templates_gives_what_reading_in_full_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "rank.jsonl"
+    dump_log(repeated_steps(20), path)
+    path.write_bytes(path.read_bytes()[:-7])
+    fast, _, slow, _ = load_both_ways(path, monkeypatch, allow_cut_end=True)
+    assert fast == slow
+    assert len(fast.records) == len(repeated_steps(20).records) - 1

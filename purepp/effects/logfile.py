@@ -15,6 +15,11 @@ the file, the line and what was wrong, and nothing half-loaded is returned.
 `LogStream` reads the same format one record at a time for `purepp check`, and can
 stop at a last line the writer never finished (the rank died while writing) instead
 of refusing the file: that is the log a crash leaves.
+
+Both read long logs fast, through one reader (`LogStream.scan`): a line that differs
+from a line already validated in full only in its digits is built from its bytes at
+the validated line's offsets, without decoding its JSON again; any other line is read
+in full, so a bad log fails with the same error either way.
 """
 
 from __future__ import annotations
@@ -441,7 +446,9 @@ class LogStream:
     Every error names the file and the line. With `allow_cut_end`, a last line with
     no newline (the writer stopped mid-record) ends the records instead of raising,
     and `cut_line` then holds its line number; corruption anywhere else still raises.
-    Iterate once; the file is closed when the records end or on `close()`.
+    Iterate (or `scan`) once; the file is closed when the records end or on `close()`.
+    Iterating builds every record as `scan` does, through the templates of lines
+    already validated in full.
     """
 
     def __init__(
@@ -474,15 +481,14 @@ class LogStream:
             self._file = None
 
     def __iter__(self) -> Iterator[LogRecord]:
+        # The numbers as written: `scan` raises unless they are the ones this rule gives.
         numbering = Numbering()
-        try:
-            while (line := self._next_line()) is not None:
-                yield self._record(line, numbering)
-        finally:
-            self.close()
+        for _, _, effect, _ in self.scan(frozenset()):
+            assert effect is not None  # no local kinds: every record is built
+            yield numbering.number(effect)
 
     def scan(self, local_kinds: frozenset[str]) -> Iterator[tuple[int, str, Effect | None, int]]:
-        """(step, kind, effect, count) per record, as strict as iterating.
+        """(step, kind, effect, count) per record, as strict as reading every line in full.
 
         For the checker, which reads long logs and needs the records of `local_kinds`
         only for their steps: those come as effect None, and consecutive ones of one
@@ -493,7 +499,8 @@ class LogStream:
         line's offsets), or, for `local_kinds`, not built at all. Its numbering is
         still checked, a record holding a number of ten digits or more is still built
         (an int32 array may not hold it), and any other line is read in full, so a bad
-        log fails as it does when iterated. The file is read a block at a time.
+        log fails with the error reading it all in full gives. The file is read a block
+        at a time.
         """
         numbering = Numbering()
         local = frozenset(kind.encode("ascii") for kind in local_kinds)
@@ -615,8 +622,8 @@ class LogStream:
     def _blocks(self) -> Iterator[list[bytes]]:
         """The complete lines after those read so far (without newlines), a block at a time.
 
-        Stops at a cut last line (with `allow_cut_end`, setting `cut_line`) or raises,
-        as `_next_line` does; `lines_read` is the caller's to advance.
+        Stops at a cut last line (with `allow_cut_end`, setting `cut_line`) or raises
+        naming it; `lines_read` is the caller's to advance.
         """
         if self._file is None:
             return
@@ -641,24 +648,18 @@ class LogStream:
         where = str(self.path) if line is None else f"{self.path} line {line}"
         return LogFormatError("load_log", f"{where}: {problem}", fix)
 
-    def _next_line(self) -> bytes | None:
-        """The next complete line (without its newline); None at the end or at a cut."""
-        if self._file is None:
-            return None
+    def _header_line(self) -> bytes | None:
+        """The first line (without its newline); None for an empty file."""
+        assert self._file is not None  # opened by __init__, which reads the header first
         data = self._file.readline()
         if not data:
             return None
-        self.lines_read += 1
+        self.lines_read = 1
         if data.endswith(b"\n"):
             return data[:-1]
-        # Every line ends in a newline when written, so text after the last one is a
-        # line the writer never finished (a crash or a kill mid-write).
-        if self._allow_cut_end and self.lines_read > 1:
-            self.cut_line = self.lines_read
-            return None
-        if self.lines_read == 1:  # `purepp check` needs the header too
-            raise self._fail(1, _TRUNCATED, "record the run again: its header was never finished")
-        raise self._fail(self.lines_read, _TRUNCATED, _TRUNCATED_FIX)
+        # Every line ends in a newline when written, and even a cut log needs its header
+        # (`purepp check` reads the world from it).
+        raise self._fail(1, _TRUNCATED, "record the run again: its header was never finished")
 
     def _json_object(self, data: bytes) -> dict[str, object]:
         line = self.lines_read
@@ -688,7 +689,7 @@ class LogStream:
     # -- header and records --
 
     def _read_header(self, expect_world: Layout | None) -> LogHeader:
-        data = self._next_line()
+        data = self._header_line()
         if data is None:
             raise self._fail(
                 None, "the file is empty: no header line", "pass a log that dump_log wrote"
