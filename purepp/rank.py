@@ -60,6 +60,7 @@ from purepp.relay import (
     Wire,
     broadcast_drafts,
     broadcast_sampled,
+    check_sampled_tokens,
     consume_previous_step,
     end_step,
     free_request_slots,
@@ -679,20 +680,10 @@ def _broadcast(
         io.bind(inputs.draft_table, sampled.draft_table)
         drafts = io.spec(inputs.draft_table)
     tokens = io.spec(inputs.sampled_tokens)
-    width = tokens.shape[1] if len(tokens.shape) == 2 else 0
-    if (
-        tokens.dtype is not DType.INT64
-        or tokens.shape[0] != batch.num_reqs
-        or not 1 <= width <= config.max_sample_len
-    ):
-        # Named here, where the caller passed it, and not by the relay step it feeds.
-        raise InvalidInputError(
-            "finish",
-            f"Sampled.tokens is {tokens.dtype.value}{list(tokens.shape)} for a batch of "
-            f"{batch.num_reqs} rows",
-            f"pass tokens as int64 [{batch.num_reqs}, k] with 1 <= k <= spec + 1 = "
-            f"{config.max_sample_len}",
-        )
+    # Named here, where the caller passed it, and not by the relay step it feeds.
+    check_sampled_tokens(
+        "finish", config, batch.num_reqs, tokens, shown_as="Sampled.tokens", passed_as="tokens"
+    )
     if config.wire is Wire.SEED:
         sent = steps.broadcast_sampled(config, relay, batch, tokens)
         yield sent.effects
@@ -715,19 +706,26 @@ def _check_counts(config: RelayConfig, batch: BatchFacts, io: StepIO[T]) -> None
         ("num_sampled", config.inputs.num_sampled),
         ("num_rejected", config.inputs.num_rejected),
     ):
-        try:
-            spec = io.spec(ref)
-        except InterpreterError as error:
-            shown = error.problem
-        else:
-            if spec.shape == (rows,) and spec.dtype is DType.INT32:
-                continue
-            shown = f"it is {spec.dtype.value}{list(spec.shape)}"
+        shown = _unlike(io, ref, (rows,), DType.INT32)
+        if shown is None:
+            continue
         raise InvalidInputError(
             "finish",
             f"Sampled.{field} is not int32[{rows}] for a batch of {rows} rows: {shown}",
             f"pass {field} as an int32 tensor of shape [{rows}], one count per batch row",
         )
+
+
+def _unlike(io: StepIO[T], ref: BufferRef, shape: tuple[int, ...], dtype: DType) -> str | None:
+    """None when the tensor bound to `ref` has `shape` and `dtype`, else what it is (or
+    why there is none): the caller's error names its own field and fix."""
+    try:
+        spec = io.spec(ref)
+    except InterpreterError as error:
+        return error.problem
+    if spec.shape == shape and spec.dtype is dtype:
+        return None
+    return f"it is {spec.dtype.value}{list(spec.shape)}"
 
 
 def _check_draft_table(config: RelayConfig, io: StepIO[T]) -> None:
@@ -737,14 +735,9 @@ def _check_draft_table(config: RelayConfig, io: StepIO[T]) -> None:
     (checking every step would cost an `io.spec` per step)."""
     ref = config.inputs.draft_table
     expected = [config.max_num_reqs, config.num_speculative_steps]
-    try:
-        spec = io.spec(ref)
-    except InterpreterError as error:
-        shown = error.problem
-    else:
-        if list(spec.shape) == expected and spec.dtype is DType.INT64:
-            return
-        shown = f"it is {spec.dtype.value}{list(spec.shape)}"
+    shown = _unlike(io, ref, tuple(expected), DType.INT64)
+    if shown is None:
+        return
     raise InvalidInputError(
         "finish",
         f"the draft table {ref.name!r} of a non-last stage with num_speculative_steps="

@@ -927,6 +927,39 @@ def _check_drafts(call: str, config: RelayConfig, drafts: TensorSpec) -> None:
         )
 
 
+def check_sampled_tokens(
+    call: str,
+    config: RelayConfig,
+    rows: int,
+    sampled: TensorSpec,
+    *,
+    shown_as: str = "sampled tokens",
+    passed_as: str = "sampled tokens",
+) -> None:
+    """`sampled` is int64 [rows, k] with 1 <= k <= spec + 1, the widths the wire pads.
+
+    `broadcast_sampled` checks its argument with it, and the rank step's `finish` the
+    caller's `Sampled.tokens` (`shown_as`, `passed_as`), before anything is issued.
+    """
+    if type(sampled) is TensorSpec:
+        shape = sampled.shape
+        if (
+            sampled.dtype is DType.INT64
+            and len(shape) == 2
+            and shape[0] == rows
+            and 1 <= shape[1] <= config.max_sample_len
+        ):
+            return
+        shown = f"{sampled.dtype.value}{list(shape)}"
+    else:
+        shown = f"{sampled!r}, {a_type(sampled)}"
+    raise InvalidInputError(
+        call,
+        f"{shown_as} is {shown} for a batch of {rows} rows",
+        f"pass {passed_as} as int64 [{rows}, k] with 1 <= k <= spec + 1 = {config.max_sample_len}",
+    )
+
+
 def broadcast_sampled(
     config: RelayConfig,
     state: RelayState,
@@ -947,13 +980,7 @@ def broadcast_sampled(
     _check_state(call, config, state)
     _require_stage(call, config, last=True)
     _check_batch(call, config, batch)
-    rows, width = _check_int64_2d(call, "sampled tokens", sampled)
-    if rows != batch.num_reqs or not 1 <= width <= config.max_sample_len:
-        raise InvalidInputError(
-            call,
-            f"sampled tokens have shape {sampled.shape} for a batch of {batch.num_reqs} rows",
-            f"pass [num_reqs, k] with 1 <= k <= spec + 1 = {config.max_sample_len}",
-        )
+    check_sampled_tokens(call, config, batch.num_reqs, sampled)
     packed = config.wire is not Wire.SEED
     if packed and config.num_speculative_steps:
         if drafts is None:
