@@ -62,7 +62,6 @@ from purepp._text import a_type
 from purepp.effects._environment import Call, Environment, itemsize
 from purepp.effects.keyed import KeyedEffects
 from purepp.effects.vocabulary import (
-    EFFECTS_FIX,
     Alias,
     Allocate,
     AllReduce,
@@ -742,12 +741,8 @@ class TorchInterpreter:
                 | Synchronize()
             ):
                 pass  # nothing past the names, which every mode checks
-            case _:  # a caller's garbage, refused before any handler runs
-                raise InvalidInputError(
-                    "TorchInterpreter.perform",
-                    f"{effect!r} is {a_type(effect)}, not an effect",
-                    EFFECTS_FIX,
-                )
+            case _:  # perform_eager checked the batch whole (effect_batch) before this
+                typing.assert_never(effect)
 
     def _check_index(self, effect: Effect, ref: BufferRef) -> torch.Tensor:
         index = self.env.lookup(effect, ref)
