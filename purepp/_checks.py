@@ -17,6 +17,7 @@ from purepp.errors import ConfigError, InvalidInputError
 
 __all__ = [
     "INT32_MAX",
+    "as_int",
     "check_bool",
     "check_instance",
     "check_int",
@@ -28,7 +29,7 @@ __all__ = [
 INT32_MAX = int(np.iinfo(np.int32).max)
 
 
-def _as_int(value: Any) -> int | None:
+def as_int(value: Any) -> int | None:
     """`value` as an int when it is an int or a numpy integer, else None.
 
     Subclasses of int are refused: a bool or an IntEnum member is not a count.
@@ -52,18 +53,18 @@ def check_int(
 ) -> int:
     """`value` as an int in lo..hi; a typed error otherwise (ConfigError when `config`)."""
     error = ConfigError if config else InvalidInputError
-    as_int = _as_int(value)
-    if as_int is None:
+    exact = as_int(value)
+    if exact is None:
         raise error(
             call,
             f"{name}={value!r} is {a_type(value)}, not an int",
             fix or f"pass {name} as an int in {lo}..{hi}",
         )
-    if not lo <= as_int <= hi:
+    if not lo <= exact <= hi:
         raise error(
-            call, f"{name}={as_int} is outside {lo}..{hi}", fix or f"pass {name} in {lo}..{hi}"
+            call, f"{name}={exact} is outside {lo}..{hi}", fix or f"pass {name} in {lo}..{hi}"
         )
-    return as_int
+    return exact
 
 
 def check_optional_int(

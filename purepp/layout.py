@@ -7,8 +7,8 @@ simulator and the runner loop can name ranks without importing the effect log.
 from __future__ import annotations
 
 import attrs
-import numpy as np
 
+from purepp._checks import as_int
 from purepp._text import a_type
 from purepp.errors import ConfigError
 
@@ -36,8 +36,9 @@ def _index(call: str, name: str, value: object) -> int:
     """`value` when it is an int (a numpy integer too); a float or a bool is refused."""
     if type(value) is int:  # the common case first: the matcher asks per collective
         return value
-    if isinstance(value, np.integer):
-        return int(value)
+    exact = as_int(value)  # a numpy integer
+    if exact is not None:
+        return exact
     raise ConfigError(
         call, f"{name}={value!r} is {a_type(value)}, not an int", f"pass {name} as an int"
     )
