@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -835,6 +836,30 @@ def _parsed(argv: list[str]) -> tuple[RunSettings, str | None, str | None]:
     parser.add_argument("--reference", action="store_true")
     args = parser.parse_args(argv)
     return settings_from_args(args), args.log_dir, args.trace
+
+
+def test_a_worlds_store_port_is_below_the_ephemeral_range_and_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An ephemeral port can become the local end of another world's connection
+    # between the check and rank 0's listen (CI once failed so: "address already in use").
+    low = supervise._ephemeral_low()
+    ports = {supervise._free_port() for _ in range(20)}
+    assert all(low - supervise._STORE_PORTS <= port < low for port in ports), (ports, low)
+    assert len(ports) > 1  # drawn at random, so two launchers rarely meet
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        taken = listener.getsockname()[1]
+        assert not supervise._can_listen(taken)
+    tried: list[int] = []
+
+    def busy_but_the_fourth(port: int) -> bool:
+        tried.append(port)
+        return len(tried) == 4
+
+    monkeypatch.setattr(supervise, "_can_listen", busy_but_the_fourth)
+    assert supervise._free_port() == tried[3]
 
 
 def test_ranks_get_every_setting_and_the_log_folder_and_trace() -> None:

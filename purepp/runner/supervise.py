@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import random
 import re
 import shutil
 import signal
@@ -157,9 +158,43 @@ def _log_dir_lock(folder: Path, run_id: str) -> Iterator[None]:
 # -- the processes of one world ---------------------------------------------------------
 
 
-def _free_port() -> int:
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_STORE_PORTS = 12_000  # how many ports below the ephemeral range to choose from
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for bind(0) and outgoing connections."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _can_listen(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _free_port() -> int:
+    """A port for a world's TCPStore, chosen below the kernel's ephemeral range. A
+    port from bind(0) is an ephemeral one: between our check and rank 0's listen,
+    the other world's gloo connections can take it as their local end, and the
+    rendezvous fails with "address already in use". No connection takes a port
+    below that range, so only another listener could, and the check skips those."""
+    low = _ephemeral_low()
+    first = max(1024, low - _STORE_PORTS)
+    chooser = random.SystemRandom()
+    for _ in range(64):
+        port = chooser.randrange(first, low)
+        if _can_listen(port):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))  # all of them taken: an ephemeral one, as before
         return int(sock.getsockname()[1])
 
 
