@@ -860,6 +860,11 @@ def test_a_worlds_store_port_is_below_the_ephemeral_range_and_free(
 
     monkeypatch.setattr(supervise, "_can_listen", busy_but_the_fourth)
     assert supervise._free_port() == tried[3]
+    # Free, but handed out already (to a world whose rank 0 is not listening yet).
+    monkeypatch.setattr(supervise, "_can_listen", lambda port: True)
+    monkeypatch.setattr(supervise, "_STORE_PORTS", 2)
+    monkeypatch.setattr(supervise, "_HANDED_OUT", {low - 2})
+    assert supervise._free_port() == low - 1
 
 
 def test_ranks_get_every_setting_and_the_log_folder_and_trace() -> None:

@@ -160,6 +160,9 @@ def _log_dir_lock(folder: Path, run_id: str) -> Iterator[None]:
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _STORE_PORTS = 12_000  # how many ports below the ephemeral range to choose from
+# Ports this launcher chose: the run's and the reference's worlds are started before
+# either's rank 0 listens, so a check alone would not keep them apart.
+_HANDED_OUT: set[int] = set()
 
 
 def _ephemeral_low() -> int:
@@ -191,7 +194,8 @@ def _free_port() -> int:
     chooser = random.SystemRandom()
     for _ in range(64):
         port = chooser.randrange(first, low)
-        if _can_listen(port):
+        if port not in _HANDED_OUT and _can_listen(port):
+            _HANDED_OUT.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))  # all of them taken: an ephemeral one, as before
