@@ -60,6 +60,7 @@ from purepp.effects.vocabulary import (
 )
 from purepp.errors import ConfigError, InterpreterError, InvalidInputError, LogFormatError
 from purepp.layout import Layout
+from purepp.testing import ScheduleConfig, make_schedule, record_scripted_logs
 from tests.regen_golden import GOLDEN_DIR
 from tests.strategies import effect_logs, effects_of, json_objects, layouts, log_headers
 
@@ -721,6 +722,121 @@ def test_dump_logs_refuses_two_logs_of_one_rank(tmp_path: Path) -> None:
     with pytest.raises(InvalidInputError, match=r"ranks \[1\] appear more than once"):
         dump_logs([SAMPLE, SAMPLE], tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+def scripted_logs(*, pp: int, dp: int) -> tuple[EffectLog, ...]:
+    """The logs of a scripted run of a pp x dp world: logs `purepp check` finds matched."""
+    return record_scripted_logs(
+        make_schedule(ScheduleConfig(pp=pp, dp=dp, spec=1, steps=3, seed=0))
+    )
+
+
+def listing(directory: Path) -> dict[str, bytes | None]:
+    """Every entry of `directory`: a file's bytes, None for a folder."""
+    return {p.name: p.read_bytes() if p.is_file() else None for p in directory.iterdir()}
+
+
+def test_dump_logs_removes_the_logs_of_the_ranks_an_earlier_dump_left(tmp_path: Path) -> None:
+    # A 2x2 world dumped, then a 1x2 world into the same folder: purepp check must read
+    # the second world's logs alone, as after `purepp run --log-dir` into a used folder.
+    dump_logs(scripted_logs(pp=2, dp=2), tmp_path)
+    (tmp_path / "notes.txt").write_text("kept")
+    (tmp_path / "rank-2.jsonl").write_text("not a name dump_logs gives: kept")
+    (tmp_path / "rank-0002.jsonl.bak").write_text("kept")
+    (tmp_path / "old").mkdir()
+    smaller = scripted_logs(pp=1, dp=2)
+    paths = dump_logs(smaller, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "notes.txt",
+        "old",
+        "rank-0000.jsonl",
+        "rank-0001.jsonl",
+        "rank-0002.jsonl.bak",
+        "rank-2.jsonl",
+    ]
+    assert paths == (tmp_path / log_file_name(0), tmp_path / log_file_name(1))
+    (tmp_path / "rank-2.jsonl").unlink()  # a *.jsonl purepp check would read
+    assert load_logs(tmp_path) == smaller
+    report = check_logs(tmp_path)
+    assert (report.exit_code, report.ranks) == (0, 2), report.text
+
+
+@pytest.mark.parametrize(
+    "leftover",
+    [b"", b'{"schema": "purepp.eff', b'{"schema": "purepp.effects/0", "rank": 9}\n'],
+    ids=["empty", "cut-header", "other-version"],
+)
+def test_dump_logs_removes_what_a_crashed_or_older_purepp_left(
+    tmp_path: Path, leftover: bytes
+) -> None:
+    # A rank killed while writing its header leaves an empty or cut file; an older
+    # purepp's log has another schema: each is a purepp rank log, dump_logs's to remove.
+    (tmp_path / log_file_name(5)).write_bytes(leftover)
+    dump_logs(world_logs(Layout(pp=2, dp=1)), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [log_file_name(0), log_file_name(1)]
+
+
+@pytest.mark.parametrize("rank", [0, 3], ids=["replaced", "left-beside"])
+def test_dump_logs_refuses_to_remove_a_file_that_is_not_a_purepp_log(
+    tmp_path: Path, rank: int
+) -> None:
+    dump_logs(world_logs(Layout(pp=2, dp=2)), tmp_path)
+    foreign = tmp_path / log_file_name(rank)
+    foreign.write_text('{"my": "data"}\n')
+    before = listing(tmp_path)
+    with pytest.raises(InvalidInputError) as caught:
+        dump_logs(world_logs(Layout(pp=1, dp=2)), tmp_path)
+    assert caught.value.call == "dump_logs"
+    assert f"{foreign} is not a purepp log" in caught.value.problem
+    assert "move it out of the folder" in caught.value.fix
+    assert listing(tmp_path) == before  # refused before anything was written or removed
+    (tmp_path / log_file_name(rank)).unlink()
+    (tmp_path / log_file_name(rank)).mkdir()  # a folder of that name is no log either
+    with pytest.raises(InvalidInputError, match=r"is not a purepp log \(a folder\)"):
+        dump_logs(world_logs(Layout(pp=1, dp=2)), tmp_path)
+
+
+def test_a_refused_write_removes_no_earlier_log_and_leaves_no_partial_file(
+    tmp_path: Path,
+) -> None:
+    dump_logs(world_logs(Layout(pp=2, dp=2)), tmp_path)
+    (tmp_path / (log_file_name(1) + ".partial")).mkdir()  # rank 1's log cannot be written
+    before = listing(tmp_path)
+    with pytest.raises(InvalidInputError, match=r"rank-0001\.jsonl' cannot be written"):
+        dump_logs(world_logs(Layout(pp=1, dp=2)), tmp_path)
+    assert listing(tmp_path) == before
+
+
+def test_dump_logs_refuses_a_folder_a_live_purepp_run_writes(tmp_path: Path) -> None:
+    fcntl = pytest.importorskip("fcntl")
+    dump_logs(world_logs(Layout(pp=2, dp=2)), tmp_path)
+    (tmp_path / logfile.LOCK_FILE).write_text("4242 run-1\n")
+    before = listing(tmp_path)
+    with (tmp_path / logfile.LOCK_FILE).open("r+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as a running `purepp run` holds it
+        with pytest.raises(InvalidInputError) as caught:
+            dump_logs(world_logs(Layout(pp=1, dp=2)), tmp_path)
+        assert caught.value.problem == (
+            f"directory {str(tmp_path)!r} is being written by a live purepp run (pid and run "
+            "id: 4242 run-1)"
+        )
+        assert caught.value.fix == "wait for the run to end, or dump the logs into another folder"
+        assert listing(tmp_path) == before
+        # Held shared, it is a reader (purepp check tests it so, for a moment), no run.
+        fcntl.flock(held, fcntl.LOCK_SH)
+        with pytest.raises(InvalidInputError, match="its lock is held by readers") as caught:
+            dump_logs(world_logs(Layout(pp=1, dp=2)), tmp_path)
+        assert "live purepp run" not in caught.value.problem
+        assert listing(tmp_path) == before
+    # The run ended (its lock file stays): the folder is the dump's, the run's logs go.
+    dump_logs(world_logs(Layout(pp=1, dp=2)), tmp_path)
+    assert sorted(listing(tmp_path)) == [logfile.LOCK_FILE, log_file_name(0), log_file_name(1)]
+    assert logfile.log_dir_writer(tmp_path) is None
+
+
+def test_dump_logs_leaves_no_lock_file_in_a_folder_no_run_used(tmp_path: Path) -> None:
+    dump_logs(world_logs(Layout(pp=2, dp=1)), tmp_path)
+    assert sorted(listing(tmp_path)) == [log_file_name(0), log_file_name(1)]
 
 
 # -- layout and header --------------------------------------------------------------

@@ -29,6 +29,7 @@ import enum
 import json
 import os
 import re
+import time
 import typing
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -162,21 +163,44 @@ def os_reason(error: OSError | ValueError) -> str:
     return (error.strerror if isinstance(error, OSError) else None) or str(error)
 
 
-def _write_atomically(call: str, path: Path, text: str) -> None:
-    fix = "pass a file path in an existing folder this process may write to"
-    if not path.name:  # "" or "/": a folder, and with_name below would raise
-        raise InvalidInputError(call, f"{str(path)!r} is a folder, not a file path", fix)
-    # Rename over the target, so a crash mid-write never leaves a half log behind.
-    partial = path.with_name(path.name + ".partial")
+def _partial(path: Path) -> Path:
+    """Where `path` is written before it is renamed into place."""
+    return path.with_name(path.name + ".partial")
+
+
+_WRITE_FIX = "pass a file path in an existing folder this process may write to"
+
+
+def _write_partial(call: str, path: Path, text: str) -> Path:
+    """Write `text` beside `path` (its `_partial`); on failure leave none, raise naming `path`."""
+    if not path.name:  # "" or "/": a folder, and with_name would raise
+        raise InvalidInputError(call, f"{str(path)!r} is a folder, not a file path", _WRITE_FIX)
+    partial = _partial(path)
     try:
         partial.write_text(text, encoding="ascii")
-        os.replace(partial, path)
     except (OSError, ValueError) as error:  # ValueError: a NUL in the path
         with contextlib.suppress(OSError, ValueError):
             partial.unlink(missing_ok=True)  # a failed write leaves no file behind
         raise InvalidInputError(
-            call, f"{str(path)!r} cannot be written ({os_reason(error)})", fix
+            call, f"{str(path)!r} cannot be written ({os_reason(error)})", _WRITE_FIX
         ) from error
+    return partial
+
+
+def _move_into_place(call: str, partial: Path, path: Path) -> None:
+    try:
+        os.replace(partial, path)
+    except (OSError, ValueError) as error:
+        with contextlib.suppress(OSError, ValueError):
+            partial.unlink(missing_ok=True)
+        raise InvalidInputError(
+            call, f"{str(path)!r} cannot be written ({os_reason(error)})", _WRITE_FIX
+        ) from error
+
+
+def _write_atomically(call: str, path: Path, text: str) -> None:
+    # Rename over the target, so a crash mid-write never leaves a half log behind.
+    _move_into_place(call, _write_partial(call, path, text), path)
 
 
 def dump_log(log: EffectLog, path: str | os.PathLike[str]) -> None:
@@ -193,8 +217,143 @@ def log_file_name(rank: int) -> str:
     return f"rank-{check_int('log_file_name', 'rank', rank, 0):04d}.jsonl"
 
 
+# How every purepp log starts (any schema version), and so a header cut anywhere.
+_LOG_START: Final = b'{"schema": "purepp.effects/'
+_RANK_LOG_NAME = re.compile(r"rank-([0-9]{4,})\.jsonl")
+_NOT_A_LOG_FIX = (
+    "move it out of the folder (purepp check reads every *.jsonl there), or dump the logs "
+    "into another folder"
+)
+
+
+def _not_a_purepp_log(path: Path) -> str | None:
+    """Why `path` is not a purepp log file; None when it is one, or a crashed rank's start of one.
+
+    A file holding the start of a header only (a rank killed while writing its first
+    line, or before it: empty) is a purepp log too: nothing but purepp writes that.
+    """
+    try:
+        if path.is_dir():
+            return "a folder"
+        if not path.is_file():
+            return "not a regular file"
+        with path.open("rb") as file:
+            start = file.read(len(_LOG_START))
+    except (OSError, ValueError) as error:
+        return f"it cannot be read: {os_reason(error)}"
+    if start != _LOG_START[: len(start)]:
+        return f"it starts {start!r}"
+    return None
+
+
+def _rank_logs(call: str, folder: Path) -> dict[str, Path]:
+    """The files in `folder` named as `dump_logs` names a rank's log, by name.
+
+    Raises InvalidInputError, naming the file, when one of them is not a purepp log:
+    replaced or removed, it would be lost; left, `purepp check` would read it.
+    """
+    try:
+        names = sorted(
+            entry.name
+            for entry in os.scandir(folder)
+            if (match := _RANK_LOG_NAME.fullmatch(entry.name)) is not None
+            and entry.name == log_file_name(int(match[1]))
+        )
+    except OSError as error:
+        raise InvalidInputError(
+            call,
+            f"directory {str(folder)!r} cannot be read ({os_reason(error)})",
+            "pass a folder this process may read and write",
+        ) from error
+    for name in names:
+        why = _not_a_purepp_log(folder / name)
+        if why is not None:
+            raise InvalidInputError(
+                call,
+                f"{folder / name} is not a purepp log ({why}), and dump_logs owns the files "
+                "named rank-NNNN.jsonl in its folder",
+                _NOT_A_LOG_FIX,
+            )
+    return {name: folder / name for name in names}
+
+
+# Times a dump tries the folder's lock while only readers (`purepp check`) hold it.
+_LOCK_TRIES = 100
+
+
+@contextlib.contextmanager
+def _run_lock_held(call: str, folder: Path) -> Iterator[None]:
+    """Hold the folder's `LOCK_FILE` while dumping, where a `purepp run` has made one.
+
+    A live run holds it for its whole run: the dump is then refused. Held, it keeps a
+    run from starting there mid-dump. A folder no run used has no lock file: none is
+    made (a dump leaves its logs only), so a run started there during the dump is not
+    kept out.
+    """
+    try:
+        import fcntl  # here: logs are written on any OS, and purepp run locks only on POSIX
+    except ImportError:
+        yield
+        return
+    try:
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR)
+    except FileNotFoundError:
+        yield
+        return
+    except OSError as error:
+        raise InvalidInputError(
+            call,
+            f"the lock file {str(folder / LOCK_FILE)!r} cannot be opened ({os_reason(error)}), "
+            "so whether a purepp run writes the folder is not known",
+            "make it readable and writable, or dump the logs into another folder",
+        ) from error
+    try:
+        for _ in range(_LOCK_TRIES):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            try:
+                # Shared, it is `purepp check` testing for a writer, for a moment: try again.
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except BlockingIOError:
+                # Exclusive: a run writing its logs (or another dump).
+                holder = os.pread(fd, 200, 0).decode("ascii", errors="replace").strip()
+                raise InvalidInputError(
+                    call,
+                    f"directory {str(folder)!r} is being written by a live purepp run "
+                    f"(pid and run id: {holder or 'not written yet'})",
+                    "wait for the run to end, or dump the logs into another folder",
+                ) from None
+            time.sleep(0.001)
+        else:
+            raise InvalidInputError(
+                call,
+                f"directory {str(folder)!r}: its lock is held by readers through "
+                f"{_LOCK_TRIES} tries (purepp check, reading it over and over)",
+                "dump the logs when nothing checks the folder, or into another folder",
+            )
+        # As `purepp run` does: the lock says who holds it, for a run refused meanwhile.
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} dump_logs\n".encode("ascii"), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def dump_logs(logs: Iterable[EffectLog], directory: str | os.PathLike[str]) -> tuple[Path, ...]:
-    """Write each rank's log into `directory` (created if missing) as `log_file_name(rank)`."""
+    """Write each rank's log into `directory` (created if missing) as `log_file_name(rank)`.
+
+    The folder then holds these logs as its only rank logs, as `purepp run --log-dir`
+    leaves it: the logs of other ranks an earlier dump or run left there (files named
+    `log_file_name(rank)`) are removed, so `purepp check` reads this world alone. Any
+    other file is left as it is. Raises InvalidInputError, and changes nothing, when a
+    file of such a name is not a purepp log, or a live `purepp run` writes the folder
+    (it holds the folder's `LOCK_FILE`). Every log is written before any file is
+    replaced or removed, so a log that cannot be written leaves the folder as it was.
+    """
     call = "dump_logs"
     if not isinstance(logs, Iterable) or isinstance(logs, str | bytes | EffectLog):
         raise InvalidInputError(
@@ -219,8 +378,30 @@ def dump_logs(logs: Iterable[EffectLog], directory: str | os.PathLike[str]) -> t
             "pass a folder path (existing or not) under a folder this process may write to",
         ) from error
     paths = tuple(folder / log_file_name(rank) for rank in ranks)
-    for log, path in zip(logs, paths, strict=True):
-        _write_atomically(call, path, _log_text(log))
+    with _run_lock_held(call, folder):
+        earlier = _rank_logs(call, folder)
+        partials: list[Path] = []
+        try:
+            for log, path in zip(logs, paths, strict=True):
+                partials.append(_write_partial(call, path, _log_text(log)))
+            # Only now, with every log written: a refusal above changed nothing.
+            for name in sorted(set(earlier) - {path.name for path in paths}):
+                try:
+                    earlier[name].unlink(missing_ok=True)
+                except OSError as error:
+                    raise InvalidInputError(
+                        call,
+                        f"{earlier[name]}, an earlier log of another rank, cannot be removed "
+                        f"({os_reason(error)})",
+                        "remove it, or dump the logs into another folder",
+                    ) from error
+            for partial, path in zip(partials, paths, strict=True):
+                _move_into_place(call, partial, path)
+        except BaseException:
+            for partial in partials:  # those not moved into place yet
+                with contextlib.suppress(OSError):
+                    partial.unlink(missing_ok=True)
+            raise
     return paths
 
 
