@@ -25,7 +25,7 @@ from purepp.effects.checker import (
     check_logs,
 )
 from purepp.effects.log import EffectLog, LogHeader, dump_logs, load_log, log_file_name
-from purepp.effects.logfile import LOCK_FILE
+from purepp.effects.logfile import LOCK_FILE, read_cut_header
 from purepp.effects.logmodel import config_digest
 from purepp.effects.matching import (
     DeadlockReport,
@@ -46,7 +46,7 @@ from purepp.effects.vocabulary import (
     Stream,
     Synchronize,
 )
-from purepp.errors import LogFormatError
+from purepp.errors import InvalidInputError, LogFormatError
 from purepp.layout import Layout
 from purepp.testing import ScheduleConfig, make_schedule, record_scripted_logs
 from tests.test_simulator import waits_for_a_work, waits_through_an_event
@@ -485,13 +485,222 @@ def test_corruption_before_the_last_line_is_unusable(tmp_path: Path) -> None:
     assert f"{path} line 4: corrupted JSON" in report.text
 
 
-def test_a_cut_header_is_unusable(tmp_path: Path) -> None:
+def cut_header_line(rank: int, kept: int) -> str:
+    """The line a rank's log starts with when it died after `kept` bytes of its header."""
+    return (
+        f"Log missing: rank {rank} of a world of 4 (pp=2, dp=2) has no log: "
+        + (
+            f"{log_file_name(rank)} is empty (the rank died as it began to write its header)"
+            if kept == 0
+            else f"{log_file_name(rank)} holds only a cut header ({kept} bytes of its first "
+            "line: the rank died while writing it)"
+        )
+        + "; the other ranks are checked with it as a rank that issued nothing"
+    )
+
+
+@pytest.mark.parametrize("kept", [0, 1, 30, 40, 41, 200], ids=lambda kept: f"{kept}-bytes")
+def test_a_cut_header_is_checked_as_a_rank_with_no_log(tmp_path: Path, kept: int) -> None:
+    # Rank 1 died while writing its first line: it recorded nothing, as a rank with no
+    # log; the other three are checked, and the report says what each waited on.
+    folder = recorded_pp2_dp2(tmp_path, without=[])
+    path = folder / log_file_name(1)
+    header = path.read_bytes().split(b"\n")[0]
+    assert len(header) > 200
+    path.write_bytes(header[:kept])
+    report = check_logs(folder)
+    missing = finding(report)
+    assert isinstance(missing, MismatchReport)
+    assert (missing.classification, missing.culprit) == (MismatchClass.MISSING_RANK, 1)
+    assert (report.absent, report.ranks) == ((1,), 3)
+    (cut,) = report.cut_headers
+    assert (cut.path, cut.size) == (path, kept)
+    assert cut.rank == (1 if kept >= 41 else None)  # 41 bytes: up to the comma after its rank
+    lines = report.text.splitlines()
+    assert lines[0] == cut_header_line(1, kept)
+    assert (
+        "  rank 1 has no log, so no record of op #0 on dp_cpu: its header was cut (the rank "
+        "died while writing it)"
+    ) in lines
+    waits = lines[lines.index("What every rank was waiting on:") + 1 :]
+    assert sorted({int(line.split()[1]) for line in waits if " waits at " in line}) == [0, 2, 3]
+    assert waits[-1] == "  no log: rank(s) 1"
+    # As the command says it: a finding (exit 1) on stdout.
+    out = io.StringIO()
+    assert check_log_dir(folder, out) == EXIT_FINDING
+    assert out.getvalue().splitlines()[0] == lines[0]
+
+
+def test_a_cut_header_names_its_rank_when_the_cut_came_after_it(tmp_path: Path) -> None:
+    # Headers decide the ranks: a cut header that says its rank is that rank's, whatever
+    # the file's name; one cut before its rank is known by the name dump_logs gives it.
+    folder = recorded_pp2_dp2(tmp_path, without=[])
+    first_lines = {
+        rank: (folder / log_file_name(rank)).read_bytes().split(b"\n")[0] for rank in (1, 2)
+    }
+    (folder / log_file_name(1)).unlink()
+    (folder / "host-b.jsonl").write_bytes(first_lines[1][:60])
+    (folder / log_file_name(2)).write_bytes(first_lines[2][:5])
+    report = check_logs(folder)
+    finding(report)
+    assert report.absent == (1, 2)
+    assert [(c.path.name, c.rank) for c in report.cut_headers] == [
+        ("host-b.jsonl", 1),
+        (log_file_name(2), None),
+    ]
+    lines = report.text.splitlines()
+    assert lines[0] == cut_header_line(1, 60).replace(log_file_name(1), "host-b.jsonl")
+    assert lines[1] == cut_header_line(2, 5)
+    # Cut before its rank, under another name: which rank wrote it is not known.
+    (folder / log_file_name(2)).replace(folder / "host-c.jsonl")
+    report = check_logs(folder)
+    finding(report)
+    lines = report.text.splitlines()
+    assert lines[1] == missing_line(2)
+    assert lines[2] == (
+        "Log cut: host-c.jsonl holds only a cut header (5 bytes of its first line: the rank "
+        "died while writing it); which rank wrote it is not known (the cut came before its rank)"
+    )
+
+
+def test_a_rank_whose_header_was_cut_after_every_collective_matched_is_a_finding(
+    tmp_path: Path,
+) -> None:
+    local = [Release(step=step, op=Op.END_STEP, buffer=BufferRef("x")) for step in range(2)]
+    write(tmp_path, PAIR, [local, local])
+    path = tmp_path / log_file_name(1)
+    path.write_bytes(path.read_bytes()[:20])
+    report = check_logs(tmp_path)
+    assert (report.ok, report.exit_code, report.finding, report.absent) == (
+        False,
+        EXIT_FINDING,
+        None,
+        (1,),
+    )
+    assert report.text.splitlines()[1:] == [
+        "  every collective logged matched; each rank's log ends:",
+        "  rank 0: log ends at step 1 (2 records), nothing pending",
+        "  rank 1: no log (its header was cut)",
+    ]
+
+
+def corrupt_first_line(path: Path, kept: int) -> None:
+    """A first line of `kept` bytes of garbage, then the log's records, as a disk fault leaves."""
+    records = path.read_bytes().split(b"\n", 1)[1]
+    path.write_bytes(b"x" * kept + b"\n" + records)
+
+
+def no_newline_garbage(path: Path, kept: int) -> None:
+    path.write_bytes(b"\0" * kept)  # a machine crash may leave zeros where the text was due
+
+
+def header_of_another_world(path: Path, kept: int) -> None:
+    path.write_bytes(path.read_bytes().replace(b'"dp": 2}', b'"dp": 3}')[:kept])
+
+
+def header_with_a_leading_zero(path: Path, kept: int) -> None:
+    path.write_bytes(b'{"schema": "purepp.effects/1", "rank": 01')
+
+
+def header_of_a_rank_outside_the_world(path: Path, kept: int) -> None:
+    path.write_bytes(b'{"schema": "purepp.effects/1", "rank": 7, "wor')
+
+
+def header_of_another_schema(path: Path, kept: int) -> None:
+    path.write_bytes(b'{"schema": "purepp.effects/9", "ra')
+
+
+@pytest.mark.parametrize(
+    ("defect", "problem"),
+    [
+        (corrupt_first_line, "rank-0001.jsonl line 1: corrupted JSON"),
+        (no_newline_garbage, "rank-0001.jsonl line 1: the last line is truncated"),
+        (header_of_another_world, "rank-0001.jsonl holds a cut header of world pp=2, dp=3"),
+        (header_with_a_leading_zero, "rank-0001.jsonl line 1: the last line is truncated"),
+        (
+            header_of_a_rank_outside_the_world,
+            "rank-0001.jsonl holds a cut header of rank 7, but rank-0000.jsonl is of a world of 4"
+            " ranks (pp=2, dp=2)",
+        ),
+        (header_of_another_schema, "rank-0001.jsonl line 1: the last line is truncated"),
+    ],
+)
+def test_a_corrupt_header_is_still_unusable(
+    tmp_path: Path, defect: Callable[[Path, int], None], problem: str
+) -> None:
+    # Only the start of a header line, with no newline after it, is a cut header: a
+    # first line of other bytes, or one followed by more lines, is a corrupted log.
+    folder = recorded_pp2_dp2(tmp_path, without=[])
+    defect(folder / log_file_name(1), 80)
+    report = check_logs(folder)
+    assert report.exit_code == EXIT_UNUSABLE, report.text
+    assert problem in report.text
+    assert report.cut_headers == ()
+
+
+def test_a_cut_header_of_a_rank_that_has_a_log_is_of_another_run(tmp_path: Path) -> None:
+    folder = recorded_pp2_dp2(tmp_path, without=[])
+    header = (folder / log_file_name(1)).read_bytes().split(b"\n")[0]
+    (folder / "old.jsonl").write_bytes(header[:60])
+    report = check_logs(folder)
+    assert report.exit_code == EXIT_UNUSABLE
+    assert (
+        "old.jsonl holds a cut header of rank 1, but rank-0001.jsonl is rank 1's log" in report.text
+    )
+    # Two cut headers of one rank.
+    (folder / log_file_name(1)).write_bytes(header[:50])
+    report = check_logs(folder)
+    assert report.exit_code == EXIT_UNUSABLE
+    assert (
+        "rank-0001.jsonl holds a cut header of rank 1, but old.jsonl holds one of rank 1 too"
+        in report.text
+    )
+    (folder / log_file_name(1)).write_bytes(header + b"\n")
+    # Cut before its rank, while every rank has a log: no rank of this run wrote it.
+    (folder / "old.jsonl").write_bytes(header[:10])
+    report = check_logs(folder)
+    assert report.exit_code == EXIT_UNUSABLE
+    assert (
+        "old.jsonl holds a cut header, but every rank of the world of 4 (pp=2, dp=2) has a "
+        "log: it is not of this run" in report.text
+    )
+
+
+def test_read_cut_header_says_which_files_hold_only_the_start_of_a_header(
+    tmp_path: Path,
+) -> None:
+    path = write(tmp_path, PAIR, [[], []]) / log_file_name(1)
+    header = path.read_bytes()
+    assert read_cut_header(path) is None  # a whole header line
+    assert read_cut_header(tmp_path / "missing.jsonl") is None
+    for size in range(len(header)):  # every cut of it
+        path.write_bytes(header[:size])
+        cut = read_cut_header(path)
+        assert cut is not None
+        assert (cut.path, cut.size) == (path, size)
+        known = b'"rank": 1,' in header[:size]
+        world = b'"dp": 1}' in header[:size]
+        assert (cut.rank, cut.world is not None) == (1 if known else None, world)
+    assert read_cut_header(path).world == PAIR  # type: ignore[union-attr]
+    path.write_bytes(header[:60].replace(b"purepp", b"puRepp"))
+    assert read_cut_header(path) is None
+    with pytest.raises(
+        InvalidInputError, match=r"read_cut_header: path=None is a NoneType, not a path"
+    ):
+        read_cut_header(None)  # type: ignore[arg-type]
+
+
+def test_logs_whose_headers_are_all_cut_are_unusable(tmp_path: Path) -> None:
     write(tmp_path, PAIR, [[], []])
-    path = tmp_path / log_file_name(0)
-    path.write_bytes(path.read_bytes()[:30])
+    for rank in (0, 1):
+        path = tmp_path / log_file_name(rank)
+        path.write_bytes(path.read_bytes()[:30])
     report = check_logs(tmp_path)
     assert report.exit_code == EXIT_UNUSABLE
-    assert "line 1: the last line is truncated" in report.text
+    assert (
+        "every log holds only a cut header (rank-0000.jsonl, rank-0001.jsonl): no rank wrote"
+        " its header" in report.text
+    )
 
 
 # ---- mismatches, classified the way fr_trace does --------------------------------------------

@@ -167,6 +167,24 @@ def test_check_unreadable_logs_go_to_stderr(
     assert err.startswith("purepp check: ")
 
 
+def test_check_of_a_log_whose_header_was_cut_is_a_finding_on_stdout(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # The rank died writing its first line: the others are checked, exit 1, not 2.
+    for path in GOLDEN.glob("*.jsonl"):
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    cut = tmp_path / "rank-0001.jsonl"
+    cut.write_bytes(cut.read_bytes()[:25])
+    code = main(["check", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == Exit.FAILED, out + err
+    assert out.startswith(
+        "Log missing: rank 1 of a world of 2 (pp=2, dp=1) has no log: rank-0001.jsonl holds"
+        " only a cut header (25 bytes of its first line: the rank died while writing it)"
+    )
+    assert err == ""
+
+
 def test_check_reads_a_golden_log(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["check", str(GOLDEN)])
     out, err = capsys.readouterr()

@@ -19,10 +19,13 @@ Outcomes (`CheckReport.exit_code`):
   mid-record (the rank died while writing; the report says what every rank was waiting
   on), a rank with no log (it died before writing its header, or its log was not
   copied: the others are checked with it as a rank that issued nothing, and the report
-  names its file and says what every rank was waiting on), or logs that recorded nothing;
+  names its file and says what every rank was waiting on), a rank whose log holds only
+  the start of its header (it died while writing its first line: checked as a rank with
+  no log, the report saying its header was cut), or logs that recorded nothing;
 - 2: the logs cannot be used: none at all, unreadable, corrupted before their last
-  line, of other runs or configs mixed in one folder, or headers that disagree on the
-  world (so which rank has no log cannot be known).
+  line (a whole first line that is no header, too), of other runs or configs mixed in
+  one folder, headers that disagree on the world (so which rank has no log cannot be
+  known), or none but cut headers.
 """
 
 from __future__ import annotations
@@ -38,12 +41,14 @@ from purepp._checks import check_int
 from purepp._text import a_type, counted
 from purepp.effects._converter import EFFECT_KINDS
 from purepp.effects.logfile import (
+    CutHeader,
     LogStream,
     as_path,
     check_same_run,
     log_dir_writer,
     log_file_name,
     log_paths,
+    read_cut_header,
 )
 from purepp.effects.matching import (
     AwaitedCollective,
@@ -114,6 +119,9 @@ class CheckReport:
     cut: tuple[CutLog, ...] = ()  # logs that end mid-record
     # Ranks with no log in the folder, checked as ranks that issued nothing.
     absent: tuple[int, ...] = ()
+    # Logs holding only the start of their header (their ranks are among `absent`,
+    # where the header or the file's name says which).
+    cut_headers: tuple[CutHeader, ...] = ()
 
 
 def check_logs(
@@ -209,21 +217,105 @@ class _Check:
         self._directory = directory
         self._in_flight_option = max_steps_in_flight
         self._ranks: list[_RankReplay] = []
+        self._cut_headers: tuple[CutHeader, ...] = ()
+        self._cut_by_rank: dict[int, CutHeader] = {}  # of the ranks they are known to be
 
     def run(self) -> CheckReport:
         streams: list[LogStream] = []
+        cut_headers: list[CutHeader] = []
         try:
             for path in log_paths(self._directory):
-                streams.append(LogStream(path, allow_cut_end=True))
+                try:
+                    streams.append(LogStream(path, allow_cut_end=True))
+                except LogFormatError:
+                    # Only the start of a header: the rank died writing its first line, so
+                    # it recorded nothing, as a rank with no log. Anything else is corrupt.
+                    cut = read_cut_header(path)
+                    if cut is None:
+                        raise
+                    cut_headers.append(cut)
+            if not streams:
+                names = ", ".join(c.path.name for c in cut_headers[:4])
+                raise LogFormatError(
+                    "check_logs",
+                    f"{self._directory}: every log holds only a cut header ({names}"
+                    f"{', ...' if len(cut_headers) > 4 else ''}): no rank wrote its header, so "
+                    "the world and the run are not known (every rank died while writing its "
+                    "first line)",
+                    "find why the ranks died at their start (their output), and run again",
+                )
             # A rank with no log (it died before its header, or its file was not copied)
             # is known from the others' headers: the rest are still worth checking.
             check_same_run(
                 self._directory, [(s.path, s.header) for s in streams], allow_missing=True
             )
+            self._place_cut_headers(streams, cut_headers)
             return self._replay(streams)
         finally:
             for stream in streams:
                 stream.close()
+
+    def _place_cut_headers(self, streams: list[LogStream], cut_headers: list[CutHeader]) -> None:
+        """Which absent rank each cut header is: its header says, or else its file's name.
+
+        Raises LogFormatError for one that cannot be of this run: of another world, of
+        a rank that has a log, or of none (every rank has a log).
+        """
+        world = streams[0].header.world
+        first = streams[0].path.name
+        logged = {s.header.rank: s.path.name for s in streams}
+        by_rank: dict[int, CutHeader] = {}
+
+        def refuse(problem: str) -> LogFormatError:
+            return LogFormatError(
+                "check_logs",
+                f"{self._directory}: {problem}",
+                "keep only the logs of one run in the directory",
+            )
+
+        for cut in cut_headers:
+            name = cut.path.name
+            if cut.world is not None and cut.world != world:
+                raise refuse(
+                    f"{name} holds a cut header of world pp={cut.world.pp}, dp={cut.world.dp}"
+                    f" but {first} is of pp={world.pp}, dp={world.dp}"
+                )
+            if cut.rank is None:
+                continue
+            if cut.rank >= world.world_size:
+                raise refuse(
+                    f"{name} holds a cut header of rank {cut.rank}, but {first} is of a world "
+                    f"of {world.world_size} ranks (pp={world.pp}, dp={world.dp})"
+                )
+            if cut.rank in logged:
+                other = f"{logged[cut.rank]} is rank {cut.rank}'s log"
+            elif cut.rank in by_rank:
+                other = f"{by_rank[cut.rank].path.name} holds one of rank {cut.rank} too"
+            else:
+                other = None
+            if other is not None:
+                raise refuse(
+                    f"{name} holds a cut header of rank {cut.rank}, but {other}: a rank "
+                    "writes one log a run"
+                )
+            by_rank[cut.rank] = cut
+        # Cut before its rank: the name dump_logs and purepp run give that rank's log says.
+        names = {log_file_name(rank): rank for rank in range(world.world_size)}
+        for cut in cut_headers:
+            if cut.rank is None:
+                rank = names.get(cut.path.name)
+                if rank is not None and rank not in logged and rank not in by_rank:
+                    by_rank[rank] = cut
+        unplaced = [c for c in cut_headers if c not in by_rank.values()]
+        if unplaced and len(logged) + len(by_rank) == world.world_size:
+            has = "a log or a cut header of its own" if by_rank else "a log"
+            raise refuse(
+                f"{unplaced[0].path.name} holds a cut header, but every rank of the world of "
+                f"{world.world_size} (pp={world.pp}, dp={world.dp}) has {has}: it is not of "
+                "this run"
+            )
+        self._cut_headers = tuple(cut_headers)
+        self._cut_by_rank = by_rank
 
     def _replay(self, streams: list[LogStream]) -> CheckReport:
         world = streams[0].header.world
@@ -336,6 +428,7 @@ class _Check:
             finding=finding,
             cut=cut,
             absent=self._absent(),
+            cut_headers=self._cut_headers,
         )
 
     def _absent(self) -> tuple[int, ...]:
@@ -355,23 +448,37 @@ class _Check:
         )
 
     def _gone(self, cut: tuple[CutLog, ...]) -> list[str]:
-        """The report's first lines: the ranks with no log, then the logs cut mid-record."""
+        """The report's first lines: the ranks with no log (or a cut header), then the
+        cut headers of ranks not known, then the logs cut mid-record."""
         lines = []
         for rank in self._absent():
             name = log_file_name(rank)
             # Headers decide the ranks: a file of that name may hold another rank's log.
             holder = self._names.get(name)
-            where = (
-                f"{name} is absent"
-                if holder is None
-                else f"no log has its header ({name} holds rank {holder}'s)"
-            )
+            cut_header = self._cut_by_rank.get(rank)
+            if cut_header is not None:
+                where = cut_header.describe()
+            elif holder is None:
+                where = (
+                    f"{name} is absent (the rank died before writing its header, or its log "
+                    "was not copied)"
+                )
+            else:
+                where = (
+                    f"no log has its header ({name} holds rank {holder}'s) (the rank died "
+                    "before writing its header, or its log was not copied)"
+                )
             lines.append(
                 f"Log missing: rank {rank} of a world of {self._world.world_size} "
-                f"(pp={self._world.pp}, dp={self._world.dp}) has no log: {where} (the rank "
-                "died before writing its header, or its log was not copied); the other ranks"
-                " are checked with it as a rank that issued nothing"
+                f"(pp={self._world.pp}, dp={self._world.dp}) has no log: {where}; the other "
+                "ranks are checked with it as a rank that issued nothing"
             )
+        lines += [
+            f"Log cut: {c.describe()}; which rank wrote it is not known (the cut came before "
+            "its rank)"
+            for c in self._cut_headers
+            if c not in self._cut_by_rank.values()
+        ]
         return lines + [f"Log cut: {c.describe()}" for c in cut]
 
     def _completed(self) -> CheckReport:
@@ -403,17 +510,20 @@ class _Check:
 
     def _ended(self, rank: _RankReplay) -> str:
         if rank.stream is None:
-            return f"rank {rank.rank}: no log"
+            cut = " (its header was cut)" if rank.rank in self._cut_by_rank else ""
+            return f"rank {rank.rank}: no log{cut}"
         where = self._where_ended(rank)
         return f"rank {rank.rank}: log ends {where} ({rank.records} records), nothing pending"
 
     def _never_posted(self, rank: _RankReplay, report: MismatchReport) -> str:
         op = f"op #{report.seq} on {report.comm.value}"
         if rank.stream is None:
-            return (
-                f"  rank {rank.rank} has no log, so no record of {op}: the rank died before "
-                "writing its header, or its log was not copied"
+            why = (
+                "its header was cut (the rank died while writing it)"
+                if rank.rank in self._cut_by_rank
+                else "the rank died before writing its header, or its log was not copied"
             )
+            return f"  rank {rank.rank} has no log, so no record of {op}: {why}"
         return (
             f"  rank {rank.rank}'s log ends {self._where_ended(rank)} ({rank.records} records), "
             f"before {op}: the rank died or stopped there, or skipped it"

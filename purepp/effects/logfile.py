@@ -65,6 +65,7 @@ from purepp.layout import Layout
 
 __all__ = [
     "LOCK_FILE",
+    "CutHeader",
     "LogStream",
     "as_path",
     "check_same_run",
@@ -77,6 +78,7 @@ __all__ = [
     "log_file_name",
     "log_paths",
     "os_reason",
+    "read_cut_header",
     "record_json",
     "record_lines",
 ]
@@ -948,6 +950,106 @@ def load_log(
     allow_cut_end = check_bool("load_log", "allow_cut_end", allow_cut_end)
     stream = LogStream(path, expect_world=expect_world, allow_cut_end=allow_cut_end)
     return EffectLog(stream.header, tuple(stream))
+
+
+# -- a header the writer never finished --------------------------------------------
+
+# A header line as the writer spells it, up to its config: its text and, as None, the
+# numbers of its rank, pp and dp.
+_HEADER_PARTS: Final = (
+    b'{"schema": "' + SCHEMA.encode("ascii") + b'", "rank": ',
+    None,
+    b', "world": {"pp": ',
+    None,
+    b', "dp": ',
+    None,
+    b'}, "config": ',
+)
+_HEADER_NUMBER = re.compile(rb"0|[1-9][0-9]{0,17}")
+# What the writer's JSON lines hold (ensure_ascii escapes every other character).
+_PRINTABLE = bytes(range(0x20, 0x7F))
+
+
+@attrs.frozen(kw_only=True)
+class CutHeader:
+    """A log holding only the start of its header line: its rank died writing its first line.
+
+    Such a rank recorded nothing: `purepp check` checks it as a rank with no log.
+    """
+
+    path: Path  # the file
+    size: int  # bytes of the header line it holds (0: an empty file)
+    rank: int | None  # the rank that wrote it, when the cut came after its rank
+    world: Layout | None  # the world, when the cut came after it
+
+    def describe(self) -> str:
+        if self.size == 0:
+            return f"{self.path.name} is empty (the rank died as it began to write its header)"
+        return (
+            f"{self.path.name} holds only a cut header ({self.size} bytes of its first line: "
+            "the rank died while writing it)"
+        )
+
+
+def _header_start(data: bytes) -> tuple[int, ...] | None:
+    """The numbers (rank, pp, dp) that `data`, the start of a header line, spells whole.
+
+    None when `data` is not how a header line this purepp writes starts.
+    """
+    numbers: list[int] = []
+    at = 0
+    for part in _HEADER_PARTS:
+        rest = data[at:]
+        if part is None:
+            number = _HEADER_NUMBER.match(rest)
+            if number is None:
+                return None if rest else tuple(numbers)
+            if number.end() == len(rest):
+                return tuple(numbers)  # cut in the number, or right after it: not known whole
+            numbers.append(int(number[0]))
+            at += number.end()
+        elif not part.startswith(rest[: len(part)]):
+            return None
+        elif len(rest) <= len(part):
+            return tuple(numbers)
+        else:
+            at += len(part)
+    return tuple(numbers)  # then the config and the rest: any text JSON allows
+
+
+def read_cut_header(path: str | os.PathLike[str]) -> CutHeader | None:
+    """`path`'s header, when the file holds only the start of one (no newline); else None.
+
+    The writer writes a header line whole, ending in a newline, so a file holding
+    only the start of one (the printable ASCII the writer writes, spelling what a
+    header of this purepp starts with) is a rank that died while writing its first
+    line, or, empty, before. A file with a newline (a whole first line, perhaps
+    corrupt), or bytes no header starts with, is not: None. So is one that cannot be
+    read. `LogStream` refuses both; `purepp check` asks this which it was.
+    """
+    path = as_path("read_cut_header", "path", path)
+    size = 0
+    try:
+        with path.open("rb") as file:
+            numbers = None
+            while block := file.read(_BLOCK_BYTES):
+                if block.translate(None, _PRINTABLE):  # a newline, or bytes no writer writes
+                    return None
+                if numbers is None:
+                    numbers = _header_start(block)  # its fixed text fits in one block
+                    if numbers is None:
+                        return None
+                size += len(block)
+    except (OSError, ValueError):
+        return None
+    rank = numbers[0] if numbers else None
+    world = None
+    if numbers is not None and len(numbers) == 3:
+        try:
+            world = Layout(pp=numbers[1], dp=numbers[2])
+        except PureppError:
+            return None  # pp or dp 0: no header holds that
+    return CutHeader(path=path, size=size, rank=rank, world=world)
 
 
 # -- reading a run's directory ----------------------------------------------------
