@@ -206,6 +206,18 @@ def test_launch_takes_its_paths_as_a_path_too(tmp_path: Path) -> None:
         launch(settings, log_dir=3, progress=False)  # type: ignore[arg-type]
 
 
+def test_a_log_folder_file_named_as_a_rank_log_that_is_no_log_is_refused_and_kept(
+    tmp_path: Path,
+) -> None:
+    # The run empties its folder of rank logs; a file of that name holding something
+    # else would be lost. It is refused before anything starts, as dump_logs refuses it.
+    notes = tmp_path / "rank-0000.jsonl"
+    notes.write_text("my notes\n")
+    with pytest.raises(UsageError, match=r"purepp run: .*rank-0000.jsonl is not a purepp log"):
+        launch(RunSettings(pp=1, dp=1), log_dir=tmp_path, progress=False)
+    assert notes.read_text() == "my notes\n"
+
+
 # -- a run's end, the launcher's part given ---------------------------------------------
 # These replace the supervisor's launch (the processes) with its result: the summary of
 # ranks that produced `produced` against a reference that produced `expected`.

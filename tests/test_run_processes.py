@@ -217,7 +217,8 @@ def test_run_prints_summary_with_parity_verdict_and_trace(tmp_path: Path, runs: 
 def test_logs_carry_the_run_id_and_a_second_run_is_refused(tmp_path: Path, runs: list[Run]) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()
-    (logs / "rank-0007.jsonl").write_text("left over from a larger run\n")
+    # Left over from a larger run (a log of another purepp version: any purepp log goes).
+    (logs / "rank-0007.jsonl").write_text('{"schema": "purepp.effects/0", "rank": 7}\n')
     first = Run(tmp_path, *LONG, "--log-dir", str(logs))
     runs.append(first)
     first.wait_for_ranks(3)

@@ -78,6 +78,7 @@ __all__ = [
     "log_file_name",
     "log_paths",
     "os_reason",
+    "rank_logs",
     "read_cut_header",
     "record_json",
     "record_lines",
@@ -248,8 +249,9 @@ def _not_a_purepp_log(path: Path) -> str | None:
     return None
 
 
-def _rank_logs(call: str, folder: Path) -> dict[str, Path]:
-    """The files in `folder` named as `dump_logs` names a rank's log, by name.
+def rank_logs(call: str, folder: Path) -> dict[str, Path]:
+    """The files in `folder` named as `dump_logs` names a rank's log, by name: what
+    `dump_logs` and `purepp run --log-dir` replace or remove.
 
     Raises InvalidInputError, naming the file, when one of them is not a purepp log:
     replaced or removed, it would be lost; left, `purepp check` would read it.
@@ -272,7 +274,7 @@ def _rank_logs(call: str, folder: Path) -> dict[str, Path]:
         if why is not None:
             raise InvalidInputError(
                 call,
-                f"{folder / name} is not a purepp log ({why}), and dump_logs owns the files "
+                f"{folder / name} is not a purepp log ({why}), and {call} owns the files "
                 "named rank-NNNN.jsonl in its folder",
                 _NOT_A_LOG_FIX,
             )
@@ -381,7 +383,7 @@ def dump_logs(logs: Iterable[EffectLog], directory: str | os.PathLike[str]) -> t
         ) from error
     paths = tuple(folder / log_file_name(rank) for rank in ranks)
     with _run_lock_held(call, folder):
-        earlier = _rank_logs(call, folder)
+        earlier = rank_logs(call, folder)
         partials: list[Path] = []
         try:
             for log, path in zip(logs, paths, strict=True):

@@ -37,6 +37,7 @@ from types import FrameType
 import attrs
 
 from purepp.effects import logfile
+from purepp.errors import InvalidInputError
 from purepp.runner.exit_codes import RankExit
 from purepp.runner.options import UsageError, check_log_dir, check_trace
 from purepp.runner.progress import PARENT_PID_ENV, Beat, read_beat
@@ -683,7 +684,11 @@ def launch(
         if log_dir is not None:
             stack.enter_context(_log_dir_lock(Path(log_dir), run_id or "-"))
             # The folder must hold this run's logs only: `purepp check` reads every one.
-            for old_log in Path(log_dir).glob("rank-*.jsonl"):
+            try:
+                old_logs = logfile.rank_logs("purepp run", Path(log_dir))
+            except InvalidInputError as error:  # a file of a log's name that is no log
+                raise UsageError(error.call, error.problem, error.fix) from error
+            for old_log in old_logs.values():
                 old_log.unlink()
         tmp = stack.enter_context(_temporary_folder("purepp-run-"))
         started = stack.enter_context(_stopped_on_exit())
