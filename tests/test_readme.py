@@ -98,9 +98,9 @@ def test_readme_test_command_is_what_ci_runs() -> None:
 
 
 def test_replay_into_a_numpy_interpreter_stops_where_the_readme_says() -> None:
-    # "A log holds no caller tensors, so a numpy or torch interpreter stops with an
-    # InterpreterError at the first relay input, unbound (a lone NumpyInterpreter stops
-    # earlier, at the first collective with another rank)."
+    # "A log holds no caller tensors: with none bound, a numpy or torch interpreter stops
+    # with an InterpreterError at the first relay input, unbound." and "A lone
+    # NumpyInterpreter stops at the first collective with another rank"
     receiver, sender = record_scripted_logs(
         make_schedule(ScheduleConfig(pp=2, dp=1, spec=1, steps=6, seed=0))
     )

@@ -6,7 +6,7 @@ numbered record per effect. Each job lives in its own small module, re-exported 
 - `purepp.effects.logmodel`: `LogHeader`, `LogRecord`, `EffectLog`, `config_digest`;
 - `purepp.effects.logfile`: `dump_log(s)`, `load_log(s)`, `LogStream` (the file format);
 - `purepp.effects.recorder`: `Recorder`;
-- `purepp.effects.replay`: `replay`;
+- `purepp.effects.replay`: `replay`, `placeholder_inputs`, `InputShapeError`;
 - `purepp.effects.logdiff`: `diff_logs`, `assert_logs_equal`.
 
 The world's `Layout` lives in `purepp.layout` and is re-exported here for old imports.
@@ -28,13 +28,14 @@ from purepp.effects.logfile import (
 )
 from purepp.effects.logmodel import SCHEMA, EffectLog, LogHeader, LogRecord, config_digest
 from purepp.effects.recorder import Recorder
-from purepp.effects.replay import replay
+from purepp.effects.replay import InputShapeError, placeholder_inputs, replay
 from purepp.layout import Layout
 
 __all__ = [
     "EFFECT_KINDS",
     "SCHEMA",
     "EffectLog",
+    "InputShapeError",
     "Layout",
     "LogHeader",
     "LogRecord",
@@ -50,6 +51,7 @@ __all__ = [
     "load_log",
     "load_logs",
     "log_file_name",
+    "placeholder_inputs",
     "record_json",
     "replay",
 ]
