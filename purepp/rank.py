@@ -73,12 +73,15 @@ __all__ = [
     "Agreed",
     "Agreeing",
     "Begun",
+    "BroadcastSampledStep",
+    "ConsumeStep",
     "RankConfig",
     "RankDriver",
     "RankState",
     "RankSteps",
     "Sampled",
     "ShapeFacts",
+    "StartAgreementStep",
     "StepIO",
     "StepPhase",
     "agree",
@@ -115,18 +118,66 @@ class StepIO(Protocol[T]):
         """The reduced DP agreement table bound under `ref`, on the host."""
 
 
+class ConsumeStep(Protocol):
+    """A `RankSteps.consume`: `relay.consume_previous_step`'s signature, as `begin` calls it."""
+
+    def __call__(
+        self, config: RelayConfig, state: RelayState, /, *, update_drafts: bool
+    ) -> Step[RelayState, ConsumedOutputs | None]:
+        """Pop the oldest ring entry and hand out what is still wanted."""
+        ...
+
+
+class StartAgreementStep(Protocol):
+    """A `RankSteps.start_agreement`: `dp.start_agreement`'s signature, as the phases call it."""
+
+    def __call__(
+        self,
+        lanes: dp.AgreementLanes,
+        group: dp.AgreementGroup,
+        dispatcher: Dispatcher | None,
+        batch: dp.RankBatch,
+        /,
+        *,
+        step: int,
+        lane: dp.Lane = ...,
+        asynchronous: bool = ...,
+    ) -> dp.AgreementStarted:
+        """Start agreeing this rank's batch shape across `group` on `lane`."""
+        ...
+
+
+class BroadcastSampledStep(Protocol):
+    """A `RankSteps.broadcast_sampled`: `relay.broadcast_sampled`'s signature, as `finish`
+    calls it (`drafts` is passed on the packed wires only)."""
+
+    def __call__(
+        self,
+        config: RelayConfig,
+        state: RelayState,
+        batch: BatchFacts,
+        sampled: TensorSpec,
+        drafts: TensorSpec | None = None,
+        /,
+    ) -> Step[RelayState, bool]:
+        """Send this step's sampled tokens and counts to every other stage."""
+        ...
+
+
 @attrs.frozen(kw_only=True)
 class RankSteps:
     """The pure steps the rank step calls. A research runner (or a test reproducing a
-    field failure) swaps one for its own; the order they are called in stays this module's."""
+    field failure) swaps one for its own; the order they are called in stays this module's.
+    Each field is typed with the real step's signature, so a replacement of another
+    shape is a type error, not a `TypeError` mid-step."""
 
-    consume: Callable[..., Step[RelayState, ConsumedOutputs | None]] = consume_previous_step
+    consume: ConsumeStep = consume_previous_step
     free: Callable[
         [RelayConfig, RelayState, Sequence[int] | npt.NDArray[np.integer]], Step[RelayState, None]
     ] = free_request_slots
-    start_agreement: Callable[..., dp.AgreementStarted] = dp.start_agreement
+    start_agreement: StartAgreementStep = dp.start_agreement
     receive: Callable[[RelayConfig, RelayState, BatchFacts], Step[RelayState, bool]] = receive
-    broadcast_sampled: Callable[..., Step[RelayState, bool]] = broadcast_sampled
+    broadcast_sampled: BroadcastSampledStep = broadcast_sampled
     broadcast_drafts: Callable[
         [RelayConfig, RelayState, BatchFacts, TensorSpec], Step[RelayState, bool]
     ] = broadcast_drafts

@@ -103,3 +103,35 @@ def _numpy_sampled(driver: rank.RankDriver[npt.NDArray[Any]], agreed: rank.Agree
     # ...while a Sampled of another tensor type is still refused.
     text = rank.Sampled(tokens="t", num_sampled="s", num_rejected="r")
     driver.finish(agreed, text)  # type: ignore[arg-type]
+
+
+def _swapped_steps(config: purepp.RelayConfig, state: purepp.RelayState) -> None:
+    # Each swappable step is typed with the real step's signature: the real steps and a
+    # broken variant of the same shape are taken (README, field failures)...
+    def unpadded(
+        config: purepp.RelayConfig,
+        state: purepp.RelayState,
+        batch: purepp.BatchFacts,
+        sampled: TensorSpec,
+        drafts: TensorSpec | None = None,
+    ) -> purepp.Step[purepp.RelayState, bool]:
+        return purepp.broadcast_sampled(config, state, batch, sampled, drafts)
+
+    steps = rank.RankSteps(
+        consume=purepp.consume_previous_step,
+        start_agreement=purepp.start_agreement,
+        broadcast_sampled=unpadded,
+    )
+    assert_type(
+        steps.consume(config, state, update_drafts=False),
+        purepp.Step[purepp.RelayState, purepp.ConsumedOutputs | None],
+    )
+    assert_type(steps.broadcast_sampled, rank.BroadcastSampledStep)
+
+    # ...and one of another shape is a type error, not a TypeError mid-step.
+    def one_argument(config: purepp.RelayConfig) -> purepp.Step[purepp.RelayState, bool]:
+        raise NotImplementedError
+
+    rank.RankSteps(broadcast_sampled=one_argument)  # type: ignore[arg-type]
+    rank.RankSteps(consume=purepp.end_step)  # type: ignore[arg-type]
+    rank.RankSteps(start_agreement=purepp.finish_agreement)  # type: ignore[arg-type]
