@@ -34,6 +34,7 @@ def run_stage(stage: int, rendezvous: str, agreed_shapes: "Queue[str]") -> None:
     )
     driver = RankDriver(config, interpreter, TorchIO(interpreter))
     state = init_rank(config)
+    descriptor = None  # the last step's agreed shape
     for step in range(4):
         begun = driver.begin(state)  # stage 0: the tokens stage 1 sampled 2 steps ago
         if begun.consumed is not None:
@@ -55,7 +56,8 @@ def run_stage(stage: int, rendezvous: str, agreed_shapes: "Queue[str]") -> None:
                 num_rejected=torch.zeros(2, dtype=torch.int32),
             )
         state = driver.finish(agreed, sampled)  # relay the tokens, end the step
-    agreed_shapes.put(repr(agreed.descriptor))
+        descriptor = agreed.descriptor
+    agreed_shapes.put(repr(descriptor))
     dist.destroy_process_group()
 
 
