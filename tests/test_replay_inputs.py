@@ -346,7 +346,7 @@ def test_into_names_the_interpreter_a_recorder_wraps() -> None:
     assert e.value.__notes__[0].startswith("in replay: before_step, before step 0")
     assert recorder.log.records == ()  # refused before the first step was performed
     with pytest.raises(InvalidInputError, match="placeholder_inputs: the interpreter to bind"):
-        placeholder_inputs(log, into=recorder)
+        placeholder_inputs(log, into=recorder)  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="placeholder_inputs: log is a str"):
         placeholder_inputs("rank-0000.jsonl")  # type: ignore[arg-type]
 

@@ -15,6 +15,8 @@ import purepp
 from purepp import dp, rank
 from purepp.effects import BufferRef, DType, Effect, TensorSpec
 from purepp.effects.arrays import BoolArray, IntArray
+from purepp.effects.log import EffectLog, Recorder, placeholder_inputs, replay
+from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.relay import relay_header
 
 
@@ -135,3 +137,12 @@ def _swapped_steps(config: purepp.RelayConfig, state: purepp.RelayState) -> None
     rank.RankSteps(broadcast_sampled=one_argument)  # type: ignore[arg-type]
     rank.RankSteps(consume=purepp.end_step)  # type: ignore[arg-type]
     rank.RankSteps(start_agreement=purepp.finish_agreement)  # type: ignore[arg-type]
+
+
+def _placeholders(log: EffectLog, numpy_rank: NumpyInterpreter) -> None:
+    # into= is the interpreter inputs are bound into, a numpy or torch one: a Recorder
+    # (which binds nothing) is a type error, as it is refused at run time.
+    binder = placeholder_inputs(log, into=numpy_rank)
+    replay(log, Recorder(log.header, numpy_rank), before_step=binder)
+    assert_type(binder.specs(0), dict[BufferRef, TensorSpec])
+    placeholder_inputs(log, into=Recorder(log.header, numpy_rank))  # type: ignore[arg-type]

@@ -490,7 +490,9 @@ class PlaceholderInputs:
     holds a placeholder it bound itself; a name the caller bound is left alone.
     """
 
-    def __init__(self, log: EffectLog, *, into: Interpreter | None = None) -> None:
+    def __init__(
+        self, log: EffectLog, *, into: NumpyInterpreter | TorchInterpreter | None = None
+    ) -> None:
         if not isinstance(log, EffectLog):
             raise InvalidInputError(
                 _CALL, f"log is {a_type(log)}", "pass the EffectLog you replay (from load_log)"
@@ -549,7 +551,9 @@ class PlaceholderInputs:
             self._bound[name] = target.tensor(name)  # what it holds now, to know it again
 
 
-def placeholder_inputs(log: EffectLog, *, into: Interpreter | None = None) -> PlaceholderInputs:
+def placeholder_inputs(
+    log: EffectLog, *, into: NumpyInterpreter | TorchInterpreter | None = None
+) -> PlaceholderInputs:
     """A `before_step` for `replay(log, ...)` binding zeros to every input each step reads.
 
     `into`: the interpreter to bind into, when the one replay performs through is a
