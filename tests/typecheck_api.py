@@ -13,7 +13,7 @@ import numpy.typing as npt
 
 import purepp
 from purepp import dp, rank
-from purepp.effects import BufferRef, DType, Effect, TensorSpec
+from purepp.effects import BufferRef, DType, Effect, Interpreter, TensorSpec
 from purepp.effects.arrays import BoolArray, IntArray
 from purepp.effects.log import EffectLog, Recorder, placeholder_inputs, replay
 from purepp.effects.numpy_interpreter import NumpyInterpreter
@@ -146,3 +146,15 @@ def _placeholders(log: EffectLog, numpy_rank: NumpyInterpreter) -> None:
     replay(log, Recorder(log.header, numpy_rank), before_step=binder)
     assert_type(binder.specs(0), dict[BufferRef, TensorSpec])
     placeholder_inputs(log, into=Recorder(log.header, numpy_rank))  # type: ignore[arg-type]
+
+
+def _before_step(log: EffectLog, numpy_rank: NumpyInterpreter) -> None:
+    # A before_step of the caller's own is typed with the protocol purepp.effects exports.
+    def bind(step: int, interpreter: Interpreter) -> None:
+        assert_type(step, int)
+
+    replay(log, numpy_rank, before_step=bind)
+
+    def bind_numpy(step: int, interpreter: NumpyInterpreter) -> None: ...
+
+    replay(log, numpy_rank, before_step=bind_numpy)  # type: ignore[arg-type]

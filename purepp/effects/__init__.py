@@ -1,5 +1,10 @@
-"""Effects: the vocabulary the pure core speaks, and the interpreters that perform it."""
+"""Effects: the vocabulary the pure core speaks, and the interpreters that perform it.
 
+`Interpreter` is the protocol every interpreter satisfies (a `replay` `before_step`
+takes one); the interpreters themselves live in their own modules.
+"""
+
+from purepp.effects.interpreter import Interpreter
 from purepp.effects.vocabulary import (
     COLLECTIVES,
     Alias,
@@ -49,6 +54,7 @@ __all__ = [
     "EventRef",
     "ForgetEvent",
     "GatherRows",
+    "Interpreter",
     "Op",
     "Pack",
     "PadColumns",
