@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,19 @@ def test_public_names_exist_and_are_documented(module: object) -> None:
 
 def test_package_is_typed() -> None:
     assert (Path(purepp.__file__).parent / "py.typed").exists()
+
+
+def test_only_purepp_is_installed_with_its_py_typed() -> None:
+    # What `pip install .` puts beside a user's code: purepp and its py.typed, never the
+    # repository's narrow torch stubs (typings/), which would shadow torch's own types.
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    include = config["packages"]["find"]["include"]
+    top_level = {path.name for path in ROOT.iterdir() if path.name.isidentifier()}
+    installed = {name for name in top_level if any(fnmatch(name, p) for p in include)}
+    assert installed == {"purepp"}, installed
+    assert "typings" in top_level
+    assert any(fnmatch("purepp.effects", p) for p in include)
+    assert "py.typed" in config["package-data"]["purepp"]
 
 
 def test_importing_the_pure_core_does_not_import_torch() -> None:
