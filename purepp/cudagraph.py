@@ -141,7 +141,8 @@ class Dispatcher(Protocol):
     `CudaGraphDispatcher` satisfies it structurally; a runner's own manager with the
     same `dispatch` plugs in without subclassing. Every rank of a DP group must answer
     the same arguments with the same descriptor, since the agreement dispatches the
-    agreed values on every rank and relies on the answers matching.
+    agreed values on every rank and relies on the answers matching. The first three are
+    passed by position, so a manager may name them as it likes.
     """
 
     def dispatch(
@@ -149,6 +150,7 @@ class Dispatcher(Protocol):
         num_reqs: int,
         num_tokens: int,
         uniform_token_count: int | None,
+        /,
         *,
         num_active_loras: int = ...,
         max_query_len: int | None = ...,

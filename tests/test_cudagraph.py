@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+
 import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from purepp import cudagraph
+from purepp import cudagraph, dp
 from purepp.cudagraph import (
     BatchExecutionDescriptor,
     CaptureMode,
@@ -352,3 +354,46 @@ def test_dispatch_is_deterministic(
     assert dispatcher.dispatch(num_reqs, num_tokens, uniform, loras, query_len) == rebuilt.dispatch(
         num_reqs, num_tokens, uniform, loras, query_len
     )
+
+
+class _PositionalDispatcher:
+    """A manager whose dispatch takes the first three only by position, under its own names."""
+
+    def __init__(self, inner: CudaGraphDispatcher) -> None:
+        self.inner = inner
+
+    def dispatch(
+        self,
+        reqs: int,
+        tokens: int,
+        uniform_decode_len: int | None,
+        /,
+        *,
+        num_active_loras: int = 0,
+        max_query_len: int | None = None,
+    ) -> BatchExecutionDescriptor:
+        return self.inner.dispatch(
+            reqs,
+            tokens,
+            uniform_decode_len,
+            num_active_loras=num_active_loras,
+            max_query_len=max_query_len,
+        )
+
+
+def test_the_agreement_passes_dispatchs_first_three_arguments_by_position() -> None:
+    # The Dispatcher protocol marks them positional-only, so a manager may name them its
+    # own way (pyright checks names otherwise): the agreement must pass them by position,
+    # before the all-reduce (start) and after it (finish).
+    inner = make(CaptureMode.FULL, (1, 2, 4, 8))
+    kinds = inspect.signature(cudagraph.Dispatcher.dispatch).parameters
+    assert [kinds[name].kind for name in ("num_reqs", "num_tokens", "uniform_token_count")] == [
+        inspect.Parameter.POSITIONAL_ONLY
+    ] * 3
+    batches = [
+        dp.RankBatch(num_reqs=2, num_tokens=2, uniform_token_count=1),
+        dp.RankBatch(num_reqs=3, num_tokens=3, uniform_token_count=1),
+    ]
+    own = dp.agree_across_ranks(_PositionalDispatcher(inner), batches)
+    assert own == dp.agree_across_ranks(inner, batches)
+    assert own[0].descriptor.cg_mode is FULL

@@ -158,3 +158,28 @@ def _before_step(log: EffectLog, numpy_rank: NumpyInterpreter) -> None:
     def bind_numpy(step: int, interpreter: NumpyInterpreter) -> None: ...
 
     replay(log, numpy_rank, before_step=bind_numpy)  # type: ignore[arg-type]
+
+
+class _OwnNames:
+    """A CUDA-graph manager naming dispatch's positional parameters its own way."""
+
+    def dispatch(
+        self,
+        reqs: int,
+        tokens: int,
+        uniform_decode_len: int | None,
+        /,
+        *,
+        num_active_loras: int = 0,
+        max_query_len: int | None = None,
+    ) -> purepp.BatchExecutionDescriptor:
+        raise NotImplementedError
+
+
+def _dispatchers(dispatcher: purepp.CudaGraphDispatcher) -> None:
+    # The agreement passes the first three by position: any names (or positional-only
+    # parameters) plug in, as CudaGraphDispatcher's own do.
+    mine: purepp.Dispatcher = _OwnNames()
+    theirs: purepp.Dispatcher = dispatcher
+    assert_type(mine.dispatch(1, 1, None), purepp.BatchExecutionDescriptor)
+    assert_type(theirs.dispatch(1, 1, 1, max_query_len=1), purepp.BatchExecutionDescriptor)
