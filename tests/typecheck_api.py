@@ -183,3 +183,18 @@ def _dispatchers(dispatcher: purepp.CudaGraphDispatcher) -> None:
     theirs: purepp.Dispatcher = dispatcher
     assert_type(mine.dispatch(1, 1, None), purepp.BatchExecutionDescriptor)
     assert_type(theirs.dispatch(1, 1, 1, max_query_len=1), purepp.BatchExecutionDescriptor)
+
+
+def _covariant_steps(state: purepp.RelayState) -> None:
+    # A Step is immutable, so one answering None is one whose answer may be None: a
+    # swapped-in consume that never hands anything out plugs in as it is typed.
+    def consume_nothing(
+        config: purepp.RelayConfig, state: purepp.RelayState, *, update_drafts: bool
+    ) -> purepp.Step[purepp.RelayState, None]:
+        return purepp.Step(state, (), None)
+
+    rank.RankSteps(consume=consume_nothing)
+    nothing: purepp.Step[purepp.RelayState, None] = purepp.Step(state, (), None)
+    wider: purepp.Step[purepp.RelayState, purepp.ConsumedOutputs | None] = nothing
+    assert_type(wider.result, purepp.ConsumedOutputs | None)
+    _answer: purepp.Step[purepp.RelayState, bool] = nothing  # type: ignore[assignment]
