@@ -637,10 +637,10 @@ def _check_reuse(sync: DPSyncState, batch: RankBatch, group: AgreementGroup) -> 
         )
 
 
-def _checked_descriptor(answer: object, dispatcher: object) -> BatchExecutionDescriptor:
+def _checked_descriptor(call: str, answer: object, dispatcher: object) -> BatchExecutionDescriptor:
     if type(answer) is not BatchExecutionDescriptor:
         raise InvalidInputError(
-            "start_agreement",
+            call,
             f"{type(dispatcher).__name__}.dispatch returned {answer!r}",
             "return a BatchExecutionDescriptor from dispatch",
         )
@@ -820,7 +820,7 @@ def _desired_descriptor(
         num_active_loras=batch.num_active_loras,
         max_query_len=query_len,
     )
-    return _checked_descriptor(answer, dispatcher)
+    return _checked_descriptor("start_agreement", answer, dispatcher)
 
 
 def _eager(
@@ -1079,6 +1079,7 @@ def _decide(
         raise _bad_table("no dispatcher for an agreed graph", "pass a checked table")
     batch = pending.batch
     descriptor = _checked_descriptor(
+        "finish_agreement",
         dispatcher.dispatch(
             batch.num_reqs,
             most_tokens,

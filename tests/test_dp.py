@@ -653,6 +653,22 @@ def test_a_dispatcher_that_answers_no_descriptor_is_invalid_input() -> None:
         start_agreement(FREE, group, broken, batch(1, 1), step=0)
 
 
+def test_a_dispatcher_that_answers_no_descriptor_at_finish_names_finish_agreement() -> None:
+    # finish_agreement asks the dispatcher again for the agreed counts; its error names
+    # finish_agreement, the call the user made, not start_agreement.
+    class BrokenOnSecondAsk:
+        def __init__(self) -> None:
+            self.asked = 0
+
+        def dispatch(self, *args: object, **kwargs: object) -> object:
+            self.asked += 1
+            return desc(FULL, 8, None) if self.asked <= 2 else "FULL"
+
+    broken: Any = BrokenOnSecondAsk()  # what an untyped caller can pass
+    with pytest.raises(InvalidInputError, match=r"^finish_agreement: BrokenOnSecondAsk.dispatch"):
+        agree_across_ranks(broken, [batch(1, 3), batch(5, 6)])
+
+
 # --- validation --------------------------------------------------------------------
 
 
