@@ -352,6 +352,11 @@ CASES: dict[str, Case] = {
         InvalidInputError,
         "effects is a str",
     ),
+    "NumpyInterpreter.issue a str": (
+        lambda: NumpyInterpreter().issue("x"),  # type: ignore[arg-type]
+        InvalidInputError,
+        "NumpyInterpreter.issue: 'x' is a str, not an effect",
+    ),
     # -- the torch interpreter (CPU) -------------------------------------------------------
     "TorchInterpreter device str": (
         lambda: torch_interpreter(device="cpu"),

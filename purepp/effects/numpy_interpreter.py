@@ -54,7 +54,6 @@ from purepp._checks import INT32_MAX, check_int
 from purepp._text import a_type
 from purepp.effects._environment import Environment, itemsize
 from purepp.effects.vocabulary import (
-    EFFECTS_FIX,
     Alias,
     Allocate,
     AllReduce,
@@ -529,10 +528,11 @@ class NumpyInterpreter:
             case Unpack():
                 self._unpack(effect)
             case _:  # a caller's garbage: refused before it changes anything
+                # Only `issue` gets here: `perform` and the simulator check their effects first.
                 raise InvalidInputError(
-                    "NumpyInterpreter.perform",
+                    "NumpyInterpreter.issue",
                     f"{effect!r} is {a_type(effect)}, not an effect",
-                    EFFECTS_FIX,
+                    "pass one effect from purepp.effects.vocabulary",
                 )
 
     # ---- environment helpers -------------------------------------------------------------
