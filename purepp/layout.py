@@ -44,6 +44,16 @@ def _index(call: str, name: str, value: object) -> int:
     )
 
 
+def _index_below(call: str, name: str, value: object, size: int) -> int:
+    """`value` as an index in 0..size-1 (see `_index`)."""
+    index = _index(call, name, value)
+    if not 0 <= index < size:
+        raise ConfigError(
+            call, f"{name}={index} is outside 0..{size - 1}", f"pass {name} in 0..{size - 1}"
+        )
+    return index
+
+
 @attrs.frozen
 class Layout:
     """The world of a run: `dp` data-parallel replicas of a `pp`-stage pipeline.
@@ -81,13 +91,13 @@ class Layout:
 
     def pipeline(self, dp_index: int) -> tuple[int, ...]:
         """Global ranks of replica `dp_index`'s stages, first stage first (PP groups)."""
-        dp_index = _index("Layout.pipeline", "dp_index", dp_index)
-        return tuple(self.rank_of(pp_stage=s, dp_index=dp_index) for s in range(self.pp))
+        dp_index = _index_below("Layout.pipeline", "dp_index", dp_index, self.dp)
+        return tuple(dp_index * self.pp + s for s in range(self.pp))
 
     def replicas(self, pp_stage: int) -> tuple[int, ...]:
         """Global ranks running stage `pp_stage` in every replica (DP groups)."""
-        pp_stage = _index("Layout.replicas", "pp_stage", pp_stage)
-        return tuple(self.rank_of(pp_stage=pp_stage, dp_index=d) for d in range(self.dp))
+        pp_stage = _index_below("Layout.replicas", "pp_stage", pp_stage, self.pp)
+        return tuple(d * self.pp + pp_stage for d in range(self.dp))
 
     @property
     def pp_groups(self) -> tuple[tuple[int, ...], ...]:

@@ -725,6 +725,16 @@ CASES: dict[str, Case] = {
         ConfigError,
         "Layout.replicas: pp_stage=None",
     ),
+    "Layout.pipeline past the replicas": (
+        lambda: Layout(2, 2).pipeline(5),
+        ConfigError,
+        "Layout.pipeline: dp_index=5 is outside 0..1",
+    ),
+    "Layout.replicas negative": (
+        lambda: Layout(2, 3).replicas(-1),
+        ConfigError,
+        "Layout.replicas: pp_stage=-1 is outside 0..1",
+    ),
     # -- scripted schedules ------------------------------------------------------------------
     "ScheduleConfig seed": (
         lambda: ScheduleConfig(pp=1, dp=1, spec=0, steps=1, seed=1.5),  # type: ignore[arg-type]
@@ -1053,6 +1063,19 @@ def test_layout_lookups_take_ints_only(value: object, method: str) -> None:
     if answer is not None:
         assert is_int(value)
         assert all(type(a) is int for a in (answer if isinstance(answer, tuple) else (answer,)))
+
+
+@pytest.mark.parametrize(("pp", "dp"), [(1, 1), (2, 3), (3, 2), (4, 1)])
+def test_layout_groups_agree_with_rank_of(pp: int, dp: int) -> None:
+    world = Layout(pp=pp, dp=dp)
+    for replica in range(dp):
+        expected = tuple(world.rank_of(pp_stage=s, dp_index=replica) for s in range(pp))
+        assert world.pipeline(replica) == expected
+        assert {world.dp_index(r) for r in expected} == {replica}
+    for stage in range(pp):
+        expected = tuple(world.rank_of(pp_stage=stage, dp_index=d) for d in range(dp))
+        assert world.replicas(stage) == expected
+        assert {world.pp_stage(r) for r in expected} == {stage}
 
 
 @settings(max_examples=150, deadline=None)
