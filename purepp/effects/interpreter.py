@@ -1,7 +1,7 @@
 """What every interpreter offers: perform a step's effects, in order.
 
-The torch interpreter, the recorder and the simulator's per-rank views all satisfy
-`Interpreter` structurally; nothing subclasses it.
+The torch and numpy interpreters, the recorder and the runner's tracer
+(`purepp.runner.trace`) all satisfy `Interpreter` structurally; nothing subclasses it.
 """
 
 from __future__ import annotations
