@@ -482,7 +482,17 @@ def test_corruption_before_the_last_line_is_unusable(tmp_path: Path) -> None:
 
     report = check_logs(tmp_path)
     assert report.exit_code == EXIT_UNUSABLE
-    assert f"{path} line 4: corrupted JSON" in report.text
+    assert report.text.startswith(f"purepp check: {path} line 4: corrupted JSON")
+
+
+def test_an_unusable_folder_is_reported_under_the_check_not_the_reader(tmp_path: Path) -> None:
+    # The check reads through load_logs' helpers; the report names what the user ran.
+    report = check_logs(tmp_path)
+    assert report.exit_code == EXIT_UNUSABLE
+    assert report.text == (
+        f"purepp check: {tmp_path}: holds no *.jsonl logs. "
+        "Fix: pass the directory the ranks' logs were written to"
+    )
 
 
 def cut_header_line(rank: int, kept: int) -> str:

@@ -140,7 +140,9 @@ def check_logs(
             check_int("check_logs", "max_steps_in_flight", max_steps_in_flight, 1, config=True)
         report = _Check(folder, max_steps_in_flight).run()
     except (LogFormatError, ConfigError) as error:
-        report = CheckReport(ok=False, exit_code=EXIT_UNUSABLE, text=f"{_CALL}: {error}")
+        # Under the check's own name: the reader's (load_log, load_logs) is not what was run.
+        text = f"{_CALL}: {error.problem}. Fix: {error.fix}"
+        report = CheckReport(ok=False, exit_code=EXIT_UNUSABLE, text=text)
     writer = log_dir_writer(folder)
     if writer is None:
         return report
