@@ -264,7 +264,12 @@ CASES: dict[str, Case] = {
     "NumpyIO.upload float": (
         lambda: io().upload(np.zeros(2)),  # type: ignore[arg-type]
         InvalidInputError,
-        "values is a float64, not an int32 array",
+        "values is a float64 array, not an int32 array",
+    ),
+    "NumpyIO.upload int64": (
+        lambda: io().upload(np.zeros(2, np.int64)),
+        InvalidInputError,
+        "NumpyIO.upload: values is an int64 array, not an int32 array",
     ),
     "TorchIO interpreter": (
         lambda: TorchIO(NumpyInterpreter()),  # type: ignore[arg-type]

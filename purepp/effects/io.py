@@ -8,6 +8,7 @@ import numpy as np
 import numpy.typing as npt
 
 from purepp._checks import check_instance
+from purepp._text import a_type, with_article
 from purepp.effects.arrays import IntArray
 from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.vocabulary import BufferRef, DType, TensorSpec
@@ -35,9 +36,13 @@ def _spec(call: str, ref: BufferRef, shape: tuple[int, ...], dtype: str) -> Tens
 def _host_int32(call: str, values: object) -> npt.NDArray[Any]:
     """`values` when it is a host int32 array (a slot mapping); a typed error otherwise."""
     if not isinstance(values, np.ndarray) or values.dtype != np.int32:
-        shown = values.dtype if isinstance(values, np.ndarray) else type(values).__name__
+        shown = (
+            f"{with_article(str(values.dtype))} array"
+            if isinstance(values, np.ndarray)
+            else a_type(values)
+        )
         raise InvalidInputError(
-            call, f"values is a {shown}, not an int32 array", "upload a numpy int32 array"
+            call, f"values is {shown}, not an int32 array", "upload a numpy int32 array"
         )
     return values
 
