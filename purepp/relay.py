@@ -400,9 +400,7 @@ def init_relay(config: RelayConfig) -> RelayState:
 
 def _check_config_type(call: str, config: object) -> None:
     if type(config) is not RelayConfig:
-        raise ConfigError(
-            call, f"config is {type(config).__name__}", "pass the RelayConfig of this relay"
-        )
+        raise ConfigError(call, f"config is {a_type(config)}", "pass the RelayConfig of this relay")
 
 
 def _check_state(call: str, config: RelayConfig, state: object) -> RelayState:
@@ -410,7 +408,7 @@ def _check_state(call: str, config: RelayConfig, state: object) -> RelayState:
     if type(config) is not RelayConfig or type(state) is not RelayState:
         _check_config_type(call, config)
         raise InvalidInputError(
-            call, f"state is {type(state).__name__}", "pass the RelayState returned by init_relay"
+            call, f"state is {a_type(state)}", "pass the RelayState returned by init_relay"
         )
     depth = 0 if config.is_last_stage else config.ring_depth
     generations = state.generations
@@ -495,9 +493,7 @@ def free_request_slots(
 
 def _check_batch(call: str, config: RelayConfig, batch: BatchFacts) -> None:
     if type(batch) is not BatchFacts:
-        raise InvalidInputError(
-            call, f"batch is {type(batch).__name__}", "pass the step's BatchFacts"
-        )
+        raise InvalidInputError(call, f"batch is {a_type(batch)}", "pass the step's BatchFacts")
     if batch.max_slot >= config.max_num_reqs:
         raise InvalidInputError(
             call,

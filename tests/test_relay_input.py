@@ -384,6 +384,19 @@ CALLS: dict[str, tuple[Callable[..., object], dict[str, object]]] = {
 }
 
 
+def test_a_relay_step_names_the_type_it_got_instead() -> None:
+    state = init_relay(CONFIG)
+    refusals: dict[str, Callable[[], object]] = {
+        "end_step: config is a dict": lambda: end_step({}, state),  # type: ignore[arg-type]
+        "end_step: state is a NoneType": lambda: end_step(CONFIG, None),  # type: ignore[arg-type]
+        "receive: batch is a list": lambda: receive(CONFIG, state, []),  # type: ignore[arg-type]
+    }
+    for message, call in refusals.items():
+        with pytest.raises(PureppError) as error:
+            call()
+        assert str(error.value).startswith(message)
+
+
 def call_or_error(call: Callable[[], object]) -> object:
     """The call's result, or the PureppError it raised (any other exception propagates)."""
     try:
