@@ -169,14 +169,9 @@ class Numbering:
         self._next_seq += 1
 
     def number(self, effect: Effect) -> LogRecord:
-        comm_seq: int | None = None
-        comm = communicator_of(effect)
-        if comm is not None:
-            comm_seq = self._next_comm_seq.get(comm, 0)
-            self._next_comm_seq[comm] = comm_seq + 1
-        record = LogRecord(seq=self._next_seq, comm_seq=comm_seq, effect=effect)
-        self._next_seq += 1
-        return record
+        """`effect` as the next record."""
+        seq, comm_seq = self.expect(effect)
+        return LogRecord(seq=seq, comm_seq=comm_seq, effect=effect)
 
 
 def numbering_problem(record: LogRecord, expected: LogRecord) -> str | None:
