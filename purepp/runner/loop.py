@@ -232,7 +232,7 @@ class RankLoop:
         pending = any(entry.scheduled.rows for entry in self.in_flight)
         return not (scheduler.waiting or pending or any(scheduler.slots))
 
-        # -- 1. outputs of the step pp_size ago ---------------------------------------------------
+    # -- 1. outputs of the step pp_size ago -----------------------------------------------
 
     def _apply_previous(self, step: int, consumed: ConsumedOutputs | None) -> list[int]:
         """Apply the outputs of the step pp_size ago; the slots of finished requests."""
