@@ -250,10 +250,12 @@ def rank_batches(
     )
 
 
+# A DP world as dp_worlds draws it: the dispatcher every rank shares, one batch per rank.
+DPWorld = tuple[CudaGraphDispatcher, list[RankBatch]]
+
+
 @st.composite
-def dp_worlds(
-    draw: st.DrawFn, *, min_size: int = 1, max_size: int = 5
-) -> tuple[CudaGraphDispatcher, list[RankBatch]]:
+def dp_worlds(draw: st.DrawFn, *, min_size: int = 1, max_size: int = 5) -> DPWorld:
     """A dispatcher shared by every rank, and one batch per rank.
 
     Half the worlds give every rank the same kind of batch (all decoding, say), the

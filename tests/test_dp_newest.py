@@ -37,9 +37,8 @@ from purepp.dp import (
 from purepp.effects.arrays import IntArray
 from purepp.effects.vocabulary import AllReduce
 from purepp.errors import ConfigError, InvalidInputError
-from tests.strategies import dead_rank_sets, dp_worlds, microbatch_configs, table_layouts
+from tests.strategies import DPWorld, dead_rank_sets, dp_worlds, microbatch_configs, table_layouts
 
-World = tuple[CudaGraphDispatcher, list[RankBatch]]
 FREE = AgreementLanes()
 NONE = CUDAGraphMode.NONE
 SPEC = CudaGraphDispatcher(
@@ -132,7 +131,7 @@ def plain(outcome: DispatchOutcome) -> Plain:
     return descriptor, agreed
 
 
-def without_loras(world: World) -> World:
+def without_loras(world: DPWorld) -> DPWorld:
     # The re-expression dispatches without LoRA; LoRA never changes a decision's shape.
     dispatcher, batches = world
     return dispatcher, [attrs.evolve(b, num_active_loras=0) for b in batches]
@@ -224,7 +223,7 @@ def test_a_layout_takes_a_microbatch_config_and_thresholds_are_ints() -> None:
 @settings(max_examples=300)
 @given(dp_worlds(), microbatch_configs())
 def test_the_newest_layout_reproduces_the_newest_procedure(
-    world: World, config: MicrobatchConfig
+    world: DPWorld, config: MicrobatchConfig
 ) -> None:
     dispatcher, batches = without_loras(world)
     outcomes = agree_across_ranks(dispatcher, batches, layout=TableLayout(microbatch=config))
@@ -252,7 +251,7 @@ def _same_decision(outcomes: tuple[DispatchOutcome, ...]) -> None:
 @settings(max_examples=200)
 @given(dp_worlds(min_size=2), table_layouts(), st.data())
 def test_every_rank_decides_alike_in_any_rank_order_with_any_ranks_idle(
-    world: World, layout: TableLayout, data: st.DataObject
+    world: DPWorld, layout: TableLayout, data: st.DataObject
 ) -> None:
     dispatcher, batches = world
     idle = data.draw(st.sets(st.integers(0, len(batches) - 1)))
@@ -309,7 +308,7 @@ def stale_tables(rows: int, dp_size: int) -> st.SearchStrategy[IntArray]:
 @settings(max_examples=200)
 @given(dp_worlds(min_size=2), table_layouts(), st.data())
 def test_a_decision_never_depends_on_a_dead_ranks_column(
-    world: World, layout: TableLayout, data: st.DataObject
+    world: DPWorld, layout: TableLayout, data: st.DataObject
 ) -> None:
     dispatcher, batches = world
     dead = data.draw(dead_rank_sets(len(batches)))
@@ -323,7 +322,7 @@ def test_a_decision_never_depends_on_a_dead_ranks_column(
 @settings(max_examples=200)
 @given(dp_worlds(min_size=2), table_layouts(), st.data())
 def test_survivors_agree_with_a_world_that_never_had_the_dead_ranks(
-    world: World, layout: TableLayout, data: st.DataObject
+    world: DPWorld, layout: TableLayout, data: st.DataObject
 ) -> None:
     dispatcher, batches = world
     dead = data.draw(dead_rank_sets(len(batches)))

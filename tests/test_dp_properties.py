@@ -27,9 +27,7 @@ from purepp.dp import (
 )
 from purepp.effects.vocabulary import AllReduce, Communicator
 from purepp.errors import PureppError, StaleSyncError
-from tests.strategies import cudagraph_dispatchers, dp_worlds
-
-World = tuple[CudaGraphDispatcher, list[RankBatch]]
+from tests.strategies import DPWorld, cudagraph_dispatchers, dp_worlds
 
 
 def start_rank(
@@ -138,14 +136,14 @@ def as_plain(outcome: DispatchOutcome) -> tuple[object, object]:
 
 @settings(max_examples=300)
 @given(dp_worlds())
-def test_the_pure_agreement_reproduces_the_seed_procedure(world: World) -> None:
+def test_the_pure_agreement_reproduces_the_seed_procedure(world: DPWorld) -> None:
     dispatcher, batches = world
     outcomes = agree_across_ranks(dispatcher, batches)
     assert [as_plain(o) for o in outcomes] == seed_procedure(dispatcher, batches)
 
 
 @given(dp_worlds(min_size=2))
-def test_field_failure_10_every_rank_issues_the_same_collective(world: World) -> None:
+def test_field_failure_10_every_rank_issues_the_same_collective(world: DPWorld) -> None:
     """Idle, eager and busy ranks alike issue one all-reduce, equal but for their column."""
     dispatcher, batches = world
     all_reduces: list[AllReduce] = []
@@ -164,7 +162,7 @@ def test_field_failure_10_every_rank_issues_the_same_collective(world: World) ->
 
 @settings(max_examples=300)
 @given(dp_worlds())
-def test_field_failure_11_every_rank_agrees_on_every_shaping_value(world: World) -> None:
+def test_field_failure_11_every_rank_agrees_on_every_shaping_value(world: DPWorld) -> None:
     dispatcher, batches = world
     outcomes = agree_across_ranks(dispatcher, batches)
     syncs = {o.sync for o in outcomes if o.sync is not None}
@@ -202,7 +200,9 @@ def test_field_failure_11_every_rank_agrees_on_every_shaping_value(world: World)
 
 
 @given(dp_worlds(min_size=2), st.data())
-def test_the_agreement_does_not_depend_on_the_rank_order(world: World, data: st.DataObject) -> None:
+def test_the_agreement_does_not_depend_on_the_rank_order(
+    world: DPWorld, data: st.DataObject
+) -> None:
     dispatcher, batches = world
     order = data.draw(st.permutations(range(len(batches))))
     outcomes = agree_across_ranks(dispatcher, batches)
@@ -219,7 +219,7 @@ def test_the_agreement_does_not_depend_on_the_rank_order(world: World, data: st.
 
 @given(dp_worlds(), st.booleans())
 def test_equal_inputs_give_equal_outputs_effect_names_included(
-    world: World, asynchronous: bool
+    world: DPWorld, asynchronous: bool
 ) -> None:
     dispatcher, batches = world
     twin = (attrs.evolve(dispatcher), [attrs.evolve(b) for b in batches])
@@ -234,7 +234,9 @@ def test_equal_inputs_give_equal_outputs_effect_names_included(
 
 
 @given(dp_worlds(min_size=2))
-def test_reusing_the_agreement_on_every_rank_reproduces_it_with_no_collective(world: World) -> None:
+def test_reusing_the_agreement_on_every_rank_reproduces_it_with_no_collective(
+    world: DPWorld,
+) -> None:
     """A drafter's prefill over the target's batch shape reuses the target's sync."""
     dispatcher, batches = world
     outcomes = agree_across_ranks(dispatcher, batches)
@@ -293,7 +295,7 @@ def seed_reuse(
 @settings(max_examples=300)
 @given(dp_worlds(min_size=2), cudagraph_dispatchers(), st.data())
 def test_a_reuse_reproduces_the_seeds_dispatch_with_a_dp_sync(
-    world: World, drafter: CudaGraphDispatcher, data: st.DataObject
+    world: DPWorld, drafter: CudaGraphDispatcher, data: st.DataObject
 ) -> None:
     """Another dispatcher (a drafter's), fewer requests, forced eager or other LoRA counts:
     each rank decides as the seed does, with no collective. The caller passes the agreed
@@ -328,7 +330,7 @@ def test_a_reuse_reproduces_the_seeds_dispatch_with_a_dp_sync(
 
 @given(dp_worlds(min_size=2), st.data())
 def test_field_failure_12_a_sync_from_another_batch_is_refused(
-    world: World, data: st.DataObject
+    world: DPWorld, data: st.DataObject
 ) -> None:
     dispatcher, batches = world
     agreed = agree_across_ranks(dispatcher, batches)[0].sync
@@ -345,7 +347,7 @@ def test_field_failure_12_a_sync_from_another_batch_is_refused(
 
 @given(dp_worlds(min_size=2), st.data())
 def test_bad_input_raises_a_typed_error_and_changes_nothing(
-    world: World, data: st.DataObject
+    world: DPWorld, data: st.DataObject
 ) -> None:
     dispatcher, batches = world
     rank = data.draw(st.integers(0, len(batches) - 1))

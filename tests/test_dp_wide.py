@@ -25,10 +25,9 @@ from purepp.dp import (
     finish_agreement,
     start_agreement,
 )
-from tests.strategies import dp_worlds, table_layouts
+from tests.strategies import DPWorld, dp_worlds, table_layouts
 from tests.test_dp_properties import as_plain, seed_procedure
 
-World = tuple[CudaGraphDispatcher, list[RankBatch]]
 LIMITS = [16, 17, 256, 257]  # each side of both limits of the finish's row reads
 INT32 = np.iinfo(np.int32)
 
@@ -44,7 +43,9 @@ def widened(batches: list[RankBatch], width: int, data: st.DataObject) -> list[R
 
 @settings(max_examples=60, deadline=None)
 @given(dp_worlds(), st.sampled_from(LIMITS), st.data())
-def test_wide_groups_decide_as_the_seed_does(world: World, width: int, data: st.DataObject) -> None:
+def test_wide_groups_decide_as_the_seed_does(
+    world: DPWorld, width: int, data: st.DataObject
+) -> None:
     dispatcher, batches = world
     wide = widened(batches, width, data)
     outcomes = agree_across_ranks(dispatcher, wide)
@@ -87,7 +88,7 @@ def finish_with_garbage_dead(
     st.data(),
 )
 def test_wide_survivors_decide_as_a_group_of_the_survivors_alone(
-    world: World, layout: TableLayout, live_count: int, garbage: int, data: st.DataObject
+    world: DPWorld, layout: TableLayout, live_count: int, garbage: int, data: st.DataObject
 ) -> None:
     dispatcher, batches = world
     dp_size = live_count + data.draw(st.integers(1, 5), label="dead ranks")
