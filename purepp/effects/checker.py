@@ -449,7 +449,7 @@ class _Check:
             if r.stream is not None and r.stream.cut_line is not None
         )
 
-    def _gone(self, cut: tuple[CutLog, ...]) -> list[str]:
+    def _missing_and_cut_lines(self, cut: tuple[CutLog, ...]) -> list[str]:
         """The report's first lines: the ranks with no log (or a cut header), then the
         cut headers of ranks not known, then the logs cut mid-record."""
         lines = []
@@ -486,7 +486,7 @@ class _Check:
     def _completed(self) -> CheckReport:
         cut = self._cut()
         if cut or self._absent():
-            lines = self._gone(cut)
+            lines = self._missing_and_cut_lines(cut)
             logged = "logged before the cut" if cut else "logged"
             lines.append(f"  every collective {logged} matched; each rank's log ends:")
             lines += [f"  {self._ended(r)}" for r in self._ranks]
@@ -533,7 +533,7 @@ class _Check:
 
     def _finding(self, report: Report, waiting: DeadlockReport | None = None) -> CheckReport:
         cut = self._cut()
-        lines = self._gone(cut)
+        lines = self._missing_and_cut_lines(cut)
         lines.append(report.render())
         if isinstance(report, MismatchReport) and report.received is None:
             # A log that ends before the op: that rank may have died there, not skipped it.
