@@ -8,12 +8,12 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from purepp._checks import INT32_MAX
 from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray
 from purepp.errors import InvalidInputError
 
 __all__ = ["BatchFacts", "need_sampled_mask"]
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
 _FIELDS = ("idx_mapping", "num_computed_tokens", "num_scheduled_tokens", "prefill_len")
 _INT32 = np.dtype(np.int32)
 
@@ -48,7 +48,7 @@ def _int32_rows(given: tuple[npt.ArrayLike, ...]) -> IntArray:
             )
         rows = array.shape[0]
         if array.dtype != _INT32:
-            if array.size and (int(array.min()) < 0 or int(array.max()) > _INT32_MAX):
+            if array.size and (int(array.min()) < 0 or int(array.max()) > INT32_MAX):
                 raise _out_of_range(name, array)
             array = array.astype(np.int32)
         arrays.append(array)
@@ -65,8 +65,8 @@ def _int32_rows(given: tuple[npt.ArrayLike, ...]) -> IntArray:
 def _out_of_range(name: str, array: npt.NDArray[Any]) -> InvalidInputError:
     return InvalidInputError(
         "BatchFacts",
-        f"{name}={_shown(array)} holds a value outside 0..{_INT32_MAX}",
-        "counts and slots are non-negative int32 values",
+        f"{name}={_shown(array)} holds a value outside 0..{INT32_MAX}",
+        f"pass {name} as values in 0..{INT32_MAX} (slots and token counts are non-negative)",
     )
 
 

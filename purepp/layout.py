@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import attrs
 
-from purepp._checks import as_int
+from purepp._checks import INT32_MAX, as_int
 from purepp._text import a_type
 from purepp.errors import ConfigError
 
@@ -16,7 +16,7 @@ __all__ = ["Layout"]
 
 
 # Ranks are int32 everywhere downstream (headers, torch.distributed): a larger size is a typo.
-_MAX_SIZE = 2**31 - 1
+_MAX_SIZE = INT32_MAX
 
 
 def _at_least_one(instance: object, attribute: attrs.Attribute[int], value: int) -> None:

@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from purepp import dp
-from purepp._checks import check_instance, check_interpreter
+from purepp._checks import INT32_MAX, check_instance, check_interpreter
 from purepp._text import a_type
 from purepp.batch import BatchFacts
 from purepp.cudagraph import BatchExecutionDescriptor, Dispatcher
@@ -261,18 +261,15 @@ class ShapeFacts:
         _check_shape(self)
 
 
-_INT32_MAX = 2**31 - 1
-
-
 def _check_shape(shape: ShapeFacts) -> None:
     """Checked once, at the boundary: a float or a bool would reach the DP table."""
     for name in ("num_tokens", "uniform_token_count", "max_query_len", "num_active_loras"):
         value = getattr(shape, name)
         if value is None and name in ("uniform_token_count", "max_query_len"):
             continue
-        if type(value) is not int or not 0 <= value <= _INT32_MAX:
+        if type(value) is not int or not 0 <= value <= INT32_MAX:
             raise InvalidInputError(
-                "ShapeFacts", f"{name}={value!r}", f"pass {name} as an int in 0..{_INT32_MAX}"
+                "ShapeFacts", f"{name}={value!r}", f"pass {name} as an int in 0..{INT32_MAX}"
             )
     if type(shape.need_eager) is not bool:
         raise InvalidInputError("ShapeFacts", f"need_eager={shape.need_eager!r}", "pass a bool")

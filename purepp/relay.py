@@ -46,6 +46,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from purepp._checks import INT32_MAX
 from purepp._text import a_type, with_article
 from purepp.batch import BatchFacts
 from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray, frozen
@@ -109,7 +110,6 @@ HEADER_SHAPE = (2,)  # shape of the opt-in relay header: [step, request count] i
 # The header's step wraps: it is int32 on the wire, and a server may run past 2**31 steps.
 _HEADER_STEP_MODULUS = 2**31
 _ALIGN = 16  # bytes: every packed section starts on a 16-byte boundary
-_INT32_MAX = 2**31 - 1
 
 
 class Platform(enum.Enum):
@@ -141,7 +141,7 @@ class RelayInputs:
     draft_table: BufferRef
 
 
-def _strict_int(call: str, name: str, value: object, low: int, high: int = _INT32_MAX) -> int:
+def _strict_int(call: str, name: str, value: object, low: int, high: int = INT32_MAX) -> int:
     """`value` if it is an int in low..high (bools, floats and strings are refused)."""
     if type(value) is not int and not isinstance(value, np.integer):
         raise ConfigError(call, f"{name}={value!r} is {a_type(value)}", f"pass {name} as an int")
@@ -373,12 +373,12 @@ def relay_header(step: int, num_reqs: int) -> IntArray:
         type(step) is not int
         or type(num_reqs) is not int
         or step < 0
-        or not 0 <= num_reqs <= _INT32_MAX
+        or not 0 <= num_reqs <= INT32_MAX
     ):
         raise InvalidInputError(
             "relay_header",
             f"step={step!r}, num_reqs={num_reqs!r}",
-            f"pass a step >= 0 and a request count in 0..{_INT32_MAX}, as ints",
+            f"pass a step >= 0 and a request count in 0..{INT32_MAX}, as ints",
         )
     out: IntArray = frozen(np.array([step % _HEADER_STEP_MODULUS, num_reqs], dtype=np.int32))
     return out

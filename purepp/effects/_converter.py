@@ -32,6 +32,7 @@ from cattrs.gen import make_dict_structure_fn, override
 from cattrs.strategies import configure_tagged_union
 from cattrs.v import format_exception
 
+from purepp._checks import INT32_MAX
 from purepp._text import a_type
 from purepp.effects.arrays import IntArray, readonly
 from purepp.effects.vocabulary import BufferRef, Effect, EventRef, WorkRef
@@ -59,7 +60,6 @@ JSONObject = Mapping[str, object]
 EFFECT_CLASSES: Final[tuple[type[Effect], ...]] = get_args(Effect)
 
 _INT32_MIN: Final = int(np.iinfo(np.int32).min)
-_INT32_MAX: Final = int(np.iinfo(np.int32).max)
 
 
 def _snake_case(name: str) -> str:
@@ -277,7 +277,7 @@ def _unstructure_tuple_factory(
 def _check_nested(values: object, shape: Sequence[int], where: str) -> None:
     """`values` is a nested list of int32 integers of exactly `shape`."""
     if not shape:
-        if type(values) is not int or not _INT32_MIN <= values <= _INT32_MAX:
+        if type(values) is not int or not _INT32_MIN <= values <= INT32_MAX:
             raise _expect(f"an int32 integer at {where}", values)
         return
     if type(values) is not list or len(values) != shape[0]:
