@@ -338,6 +338,7 @@ class Plan:
         """Whether this run's bindings fit: every position's role, every input's layout."""
         buffers, pending = env.buffers, env.pending_results
         for position, shape, dtype, contiguous in self._reads:
+            # A READ position always holds a BufferRef; a cast here would cost a call per read.
             tensor = buffers.get(names[position])  # type: ignore[arg-type]
             if (
                 tensor is None
