@@ -28,6 +28,7 @@ from purepp.batch import BatchFacts
 from purepp.cudagraph import CaptureMode, CudaGraphDispatcher
 from purepp.effects.checker import check_log_dir, check_logs
 from purepp.effects.io import NumpyIO, TorchIO
+from purepp.effects.keyed import KeyedEffects
 from purepp.effects.log import (
     EffectLog,
     LogHeader,
@@ -440,6 +441,11 @@ CASES: dict[str, Case] = {
     ),
     "TorchInterpreter.perform checked": (
         lambda: torch_interpreter(checked=True).perform((3,)),  # type: ignore[arg-type]
+        InvalidInputError,
+        "TorchInterpreter.perform: effects[0] is 3, an int, not an effect",
+    ),
+    "TorchInterpreter.perform a keyed batch": (
+        lambda: torch_interpreter().perform(KeyedEffects((3,), "k")),  # type: ignore[arg-type]
         InvalidInputError,
         "TorchInterpreter.perform: effects[0] is 3, an int, not an effect",
     ),

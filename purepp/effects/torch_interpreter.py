@@ -643,7 +643,7 @@ class TorchInterpreter:
             finally:
                 self.restore_stream()
         except (KeyError, TypeError):  # the error path only: no cost per effect
-            effect_batch("TorchInterpreter.perform_eager", effects)  # raises the typed error
+            effect_batch("TorchInterpreter.perform", effects)  # raises the typed error
             raise
 
     def handler(self, effect: Effect) -> Callable[[Any], None]:
