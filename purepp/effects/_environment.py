@@ -40,7 +40,7 @@ from purepp.effects.vocabulary import (
 )
 from purepp.errors import InterpreterError, InvalidInputError
 
-__all__ = ["Call", "Environment", "Shape", "itemsize", "shown"]
+__all__ = ["Call", "Environment", "Shape", "effect_call", "itemsize", "shown"]
 
 B = TypeVar("B")  # a bound buffer: torch.Tensor, or the numpy interpreter's record
 E = TypeVar("E")  # a recorded event
@@ -51,6 +51,12 @@ V = TypeVar("V")  # what `resolve` returns per buffer
 Shape = tuple[int, ...]
 # Where an error happened: the effect being performed, or a public call's name.
 Call = Effect | str
+
+
+def effect_call(owner: str, effect: Effect) -> str:
+    """The call an error about `effect` names: `Owner.perform(Kind step=S op=O)`."""
+    return f"{owner}.perform({type(effect).__name__} step={effect.step} op={effect.op.value})"
+
 
 # How many bound names an "is not bound" error lists, so the message stays readable.
 _NAMES_SHOWN = 8
@@ -98,7 +104,7 @@ class Environment(Generic[B, E, W]):
         """The call an error names: `Owner.perform(Kind step=S op=O)`, or the call's name."""
         if isinstance(call, str):
             return call
-        return f"{self.owner}.perform({type(call).__name__} step={call.step} op={call.op.value})"
+        return effect_call(self.owner, call)
 
     def fail(self, call: Call, what: str, fix: str) -> NoReturn:
         raise InterpreterError(self.describe(call), what, fix)

@@ -52,7 +52,7 @@ import numpy.typing as npt
 
 from purepp._checks import INT32_MAX, check_int
 from purepp._text import a_type
-from purepp.effects._environment import Environment, itemsize
+from purepp.effects._environment import Environment, effect_call, itemsize
 from purepp.effects.vocabulary import (
     Alias,
     Allocate,
@@ -834,9 +834,7 @@ def section_view(packed: Array, section: Section) -> Array:
 
 
 def _describe(effect: Effect) -> str:
-    return (
-        f"NumpyInterpreter.perform({type(effect).__name__} step={effect.step} op={effect.op.value})"
-    )
+    return effect_call("NumpyInterpreter", effect)
 
 
 def _array(buffer: _Buffer) -> Array:
