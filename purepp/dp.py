@@ -934,7 +934,7 @@ def _check_finish(lanes: Any, pending: Any) -> None:
     if type(lanes) is not AgreementLanes or type(pending) is not PendingAgreement:
         raise InvalidInputError(
             call,
-            f"lanes={type(lanes).__name__}, pending={type(pending).__name__}",
+            f"lanes is {a_type(lanes)} and pending is {a_type(pending)}",
             "pass the AgreementLanes and the PendingAgreement start_agreement returned",
         )
     if lanes.in_flight(pending.lane) != pending.step:

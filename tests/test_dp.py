@@ -653,6 +653,14 @@ def test_a_dispatcher_that_answers_no_descriptor_is_invalid_input() -> None:
         start_agreement(FREE, group, broken, batch(1, 1), step=0)
 
 
+def test_finish_agreement_names_the_types_it_got_instead() -> None:
+    with pytest.raises(InvalidInputError) as error:
+        finish_agreement({}, None, None)  # type: ignore[arg-type]
+    assert str(error.value).startswith(
+        "finish_agreement: lanes is a dict and pending is a NoneType. Fix: pass the"
+    )
+
+
 def test_a_dispatcher_that_answers_no_descriptor_at_finish_names_finish_agreement() -> None:
     # finish_agreement asks the dispatcher again for the agreed counts; its error names
     # finish_agreement, the call the user made, not start_agreement.
