@@ -19,7 +19,6 @@ __all__ = [
     "BoolArray",
     "IntArray",
     "arrays_equal",
-    "bool_array",
     "frozen",
     "int32_array",
     "is_frozen",
@@ -72,10 +71,4 @@ def int32_array(values: npt.ArrayLike) -> IntArray:
     in the class body, so mypy's attrs plugin types `__init__` from the converter.
     """
     out: IntArray = readonly(values, np.int32)
-    return out
-
-
-def bool_array(values: npt.ArrayLike) -> BoolArray:
-    """Field converter: an immutable bool array (see `int32_array`)."""
-    out: BoolArray = readonly(values, np.bool_)
     return out
