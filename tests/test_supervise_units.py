@@ -11,6 +11,7 @@ checked at exact times instead of waiting for them.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import signal
 import socket
@@ -42,7 +43,6 @@ from purepp.runner.supervise import (
     _show_progress,
     _signals_stop_the_run,
     _stop,
-    _temporary_folder,
     _World,
     worker_argv,
 )
@@ -756,38 +756,63 @@ def test_a_lock_held_without_a_pid_is_refused_without_one(tmp_path: Path) -> Non
 # -- the temporary folder -----------------------------------------------------------------
 
 
-def test_the_temporary_folder_is_removed_on_exit_and_on_an_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr("tempfile.tempdir", None)
-    with _temporary_folder("purepp-test-") as folder:
-        (folder / "rank0.stderr").write_text("x")
-        assert folder.parent == tmp_path
-        assert folder.name.startswith("purepp-test-")
-        [sweeper] = _sweepers()
-        assert os.getsid(sweeper) != os.getsid(0)  # a Ctrl-C at the terminal misses it
-    assert not folder.exists()
-    assert _sweepers() == []  # its sweeper ended with it
-    with pytest.raises(KeyError), _temporary_folder("purepp-test-") as failed:
-        raise KeyError("a failure inside the run")
-    assert not failed.exists()
+# Run in a process of its own: the test process has run in-process torch worlds whose
+# threads may still hold or close descriptors, and its children include other tests'.
+_USER = """
+import json, os
+from pathlib import Path
+from purepp.runner.supervise import _temporary_folder
 
-
-def _sweepers() -> list[int]:
-    """Live sweeper processes started by this process."""
+def sweepers():
+    # Live sweeper processes started by this process.
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
-            command = (entry / "cmdline").read_bytes().split(b"\0")
+            command = (entry / "cmdline").read_bytes().split(b"\\0")
         except OSError:
             continue
         if int(stat[1]) == os.getpid() and stat[0] != "Z" and b"-I" in command:
             found.append(int(entry.name))
     return found
+
+with _temporary_folder("purepp-test-") as folder:
+    (folder / "rank0.stderr").write_text("x")
+    during = sweepers()
+    own_session = [os.getsid(pid) != os.getsid(0) for pid in during]
+facts = dict(folder=str(folder), during=len(during), own_session=own_session)
+facts.update(removed=not folder.exists(), after=len(sweepers()))
+try:
+    with _temporary_folder("purepp-test-") as failed:
+        raise KeyError("a failure inside the run")
+except KeyError:
+    facts.update(failed_removed=not failed.exists())
+print(json.dumps(facts))
+"""
+
+
+def test_the_temporary_folder_is_removed_on_exit_and_on_an_error(tmp_path: Path) -> None:
+    environment = dict(os.environ, TMPDIR=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", _USER],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    facts = json.loads(done.stdout)
+    folder = Path(facts["folder"])
+    assert folder.parent == tmp_path
+    assert folder.name.startswith("purepp-test-")
+    assert facts["during"] == 1, facts  # one sweeper, alive while the folder is in use
+    assert facts["own_session"] == [True]  # a Ctrl-C at the terminal misses it
+    assert facts["removed"]
+    assert facts["after"] == 0  # its sweeper ended with it
+    assert facts["failed_removed"]
 
 
 _OWNER = """
