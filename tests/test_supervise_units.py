@@ -890,6 +890,10 @@ def test_a_worlds_store_port_is_below_the_ephemeral_range_and_free(
     monkeypatch.setattr(supervise, "_STORE_PORTS", 2)
     monkeypatch.setattr(supervise, "_HANDED_OUT", {low - 2})
     assert supervise._free_port() == low - 1
+    # An ephemeral range from 1024 up leaves no port below it: an ephemeral one (an
+    # empty range to draw from raised ValueError).
+    monkeypatch.setattr(supervise, "_ephemeral_low", lambda: 1024)
+    assert supervise._free_port() >= 1024
 
 
 def test_ranks_get_every_setting_and_the_log_folder_and_trace() -> None:

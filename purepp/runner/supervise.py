@@ -193,13 +193,15 @@ def _free_port() -> int:
     low = _ephemeral_low()
     first = max(1024, low - _STORE_PORTS)
     chooser = random.SystemRandom()
-    for _ in range(64):
+    # No port below the range that a user process may take (a range from 1024 up):
+    # straight to an ephemeral one.
+    for _ in range(64 if first < low else 0):
         port = chooser.randrange(first, low)
         if port not in _HANDED_OUT and _can_listen(port):
             _HANDED_OUT.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))  # all of them taken: an ephemeral one, as before
+        sock.bind(("127.0.0.1", 0))  # all of them taken, or none: an ephemeral one
         return int(sock.getsockname()[1])
 
 
