@@ -613,7 +613,7 @@ def header_with_a_leading_zero(path: Path, kept: int) -> None:
 
 
 def header_of_a_rank_outside_the_world(path: Path, kept: int) -> None:
-    path.write_bytes(b'{"schema": "purepp.effects/1", "rank": 7, "wor')
+    path.write_bytes(b'{"schema": "purepp.effects/1", "rank": 4, "wor')  # the first past it
 
 
 def header_of_another_schema(path: Path, kept: int) -> None:
@@ -629,7 +629,7 @@ def header_of_another_schema(path: Path, kept: int) -> None:
         (header_with_a_leading_zero, "rank-0001.jsonl line 1: the last line is truncated"),
         (
             header_of_a_rank_outside_the_world,
-            "rank-0001.jsonl holds a cut header of rank 7, but rank-0000.jsonl is of a world of 4"
+            "rank-0001.jsonl holds a cut header of rank 4, but rank-0000.jsonl is of a world of 4"
             " ranks (pp=2, dp=2)",
         ),
         (header_of_another_schema, "rank-0001.jsonl line 1: the last line is truncated"),
@@ -665,6 +665,15 @@ def test_a_cut_header_of_a_rank_that_has_a_log_is_of_another_run(tmp_path: Path)
         "rank-0001.jsonl holds a cut header of rank 1, but old.jsonl holds one of rank 1 too"
         in report.text
     )
+    # Cut before its rank, in rank 1's file, while old.jsonl says it is rank 1: the
+    # file's name does not place it over the header's own word.
+    (folder / log_file_name(1)).write_bytes(header[:10])
+    report = check_logs(folder)
+    assert report.exit_code == EXIT_UNUSABLE
+    assert (
+        "rank-0001.jsonl holds a cut header, but every rank of the world of 4 (pp=2, dp=2) has "
+        "a log or a cut header of its own: it is not of this run" in report.text
+    ), report.text
     (folder / log_file_name(1)).write_bytes(header + b"\n")
     # Cut before its rank, while every rank has a log: no rank of this run wrote it.
     (folder / "old.jsonl").write_bytes(header[:10])
@@ -694,23 +703,40 @@ def test_read_cut_header_says_which_files_hold_only_the_start_of_a_header(
     assert read_cut_header(path).world == PAIR  # type: ignore[union-attr]
     path.write_bytes(header[:60].replace(b"purepp", b"puRepp"))
     assert read_cut_header(path) is None
+    # No number where one is due, a world of no stages, or a byte the writer never
+    # writes (it escapes all but printable ASCII): no header starts so.
+    at = header.index(b'"rank": ') + len(b'"rank": ')
+    starts = [header[:at] + b"-", header[:at] + b"x1", header[:70].replace(b"2", b"0")]
+    for start in [*starts, header[:90] + b"\0", header[:90] + "é".encode()]:
+        path.write_bytes(start)
+        assert read_cut_header(path) is None, start
+    # A header longer than one read (a large config), cut: every byte of it counted.
+    folder = write(tmp_path / "long", PAIR, [[], []], config={"note": "x" * 300_000})
+    line = (folder / log_file_name(1)).read_bytes()
+    (folder / log_file_name(1)).write_bytes(line[:-10])
+    cut = read_cut_header(folder / log_file_name(1))
+    assert cut is not None
+    assert (cut.size, cut.rank, cut.world) == (len(line) - 10, 1, PAIR)
     with pytest.raises(
         InvalidInputError, match=r"read_cut_header: path=None is a NoneType, not a path"
     ):
         read_cut_header(None)  # type: ignore[arg-type]
 
 
-def test_logs_whose_headers_are_all_cut_are_unusable(tmp_path: Path) -> None:
-    write(tmp_path, PAIR, [[], []])
-    for rank in (0, 1):
+@pytest.mark.parametrize("ranks", [2, 4, 5])
+def test_logs_whose_headers_are_all_cut_are_unusable(tmp_path: Path, ranks: int) -> None:
+    write(tmp_path, Layout(pp=ranks, dp=1), [[]] * ranks)
+    for rank in range(ranks):
         path = tmp_path / log_file_name(rank)
         path.write_bytes(path.read_bytes()[:30])
     report = check_logs(tmp_path)
     assert report.exit_code == EXIT_UNUSABLE
+    names = ", ".join(log_file_name(rank) for rank in range(min(ranks, 4)))
+    more = ", ..." if ranks > 4 else ""  # the first four named
     assert (
-        "every log holds only a cut header (rank-0000.jsonl, rank-0001.jsonl): no rank wrote"
-        " its header" in report.text
-    )
+        f"every log holds only a cut header ({names}{more}): no rank wrote its header"
+        in report.text
+    ), report.text
 
 
 # ---- mismatches, classified the way fr_trace does --------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import typing
 from collections.abc import Callable
@@ -742,6 +743,7 @@ def test_dump_logs_removes_the_logs_of_the_ranks_an_earlier_dump_left(tmp_path: 
     dump_logs(scripted_logs(pp=2, dp=2), tmp_path)
     (tmp_path / "notes.txt").write_text("kept")
     (tmp_path / "rank-2.jsonl").write_text("not a name dump_logs gives: kept")
+    (tmp_path / "rank-00002.jsonl").write_text("rank 2, but not as dump_logs names it: kept")
     (tmp_path / "rank-0002.jsonl.bak").write_text("kept")
     (tmp_path / "old").mkdir()
     smaller = scripted_logs(pp=1, dp=2)
@@ -750,12 +752,14 @@ def test_dump_logs_removes_the_logs_of_the_ranks_an_earlier_dump_left(tmp_path: 
         "notes.txt",
         "old",
         "rank-0000.jsonl",
+        "rank-00002.jsonl",
         "rank-0001.jsonl",
         "rank-0002.jsonl.bak",
         "rank-2.jsonl",
     ]
     assert paths == (tmp_path / log_file_name(0), tmp_path / log_file_name(1))
-    (tmp_path / "rank-2.jsonl").unlink()  # a *.jsonl purepp check would read
+    for name in ("rank-2.jsonl", "rank-00002.jsonl"):  # *.jsonl purepp check would read
+        (tmp_path / name).unlink()
     assert load_logs(tmp_path) == smaller
     report = check_logs(tmp_path)
     assert (report.exit_code, report.ranks) == (0, 2), report.text
@@ -794,6 +798,10 @@ def test_dump_logs_refuses_to_remove_a_file_that_is_not_a_purepp_log(
     (tmp_path / log_file_name(rank)).mkdir()  # a folder of that name is no log either
     with pytest.raises(InvalidInputError, match=r"is not a purepp log \(a folder\)"):
         dump_logs(world_logs(Layout(pp=1, dp=2)), tmp_path)
+    (tmp_path / log_file_name(rank)).rmdir()
+    (tmp_path / log_file_name(rank)).symlink_to(tmp_path / "gone")  # to nothing
+    with pytest.raises(InvalidInputError, match=r"is not a purepp log \(not a regular file\)"):
+        dump_logs(world_logs(Layout(pp=1, dp=2)), tmp_path)
 
 
 def test_a_refused_write_removes_no_earlier_log_and_leaves_no_partial_file(
@@ -810,7 +818,8 @@ def test_a_refused_write_removes_no_earlier_log_and_leaves_no_partial_file(
 def test_dump_logs_refuses_a_folder_a_live_purepp_run_writes(tmp_path: Path) -> None:
     fcntl = pytest.importorskip("fcntl")
     dump_logs(world_logs(Layout(pp=2, dp=2)), tmp_path)
-    (tmp_path / logfile.LOCK_FILE).write_text("4242 run-1\n")
+    # A run id longer than what a dump writes there: the dump's replaces it whole.
+    (tmp_path / logfile.LOCK_FILE).write_text("4242 run-1-of-a-long-name\n")
     before = listing(tmp_path)
     with (tmp_path / logfile.LOCK_FILE).open("r+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # as a running `purepp run` holds it
@@ -818,7 +827,7 @@ def test_dump_logs_refuses_a_folder_a_live_purepp_run_writes(tmp_path: Path) -> 
             dump_logs(world_logs(Layout(pp=1, dp=2)), tmp_path)
         assert caught.value.problem == (
             f"directory {str(tmp_path)!r} is being written by a live purepp run (pid and run "
-            "id: 4242 run-1)"
+            "id: 4242 run-1-of-a-long-name)"
         )
         assert caught.value.fix == "wait for the run to end, or dump the logs into another folder"
         assert listing(tmp_path) == before
@@ -832,6 +841,7 @@ def test_dump_logs_refuses_a_folder_a_live_purepp_run_writes(tmp_path: Path) -> 
     dump_logs(world_logs(Layout(pp=1, dp=2)), tmp_path)
     assert sorted(listing(tmp_path)) == [logfile.LOCK_FILE, log_file_name(0), log_file_name(1)]
     assert logfile.log_dir_writer(tmp_path) is None
+    assert (tmp_path / logfile.LOCK_FILE).read_text() == f"{os.getpid()} dump_logs\n"
 
 
 def test_dump_logs_leaves_no_lock_file_in_a_folder_no_run_used(tmp_path: Path) -> None:

@@ -351,6 +351,258 @@ def test_into_names_the_interpreter_a_recorder_wraps() -> None:
         placeholder_inputs("rank-0000.jsonl")  # type: ignore[arg-type]
 
 
+def test_a_table_read_by_two_indices_has_rows_past_the_larger() -> None:
+    # The first index reaches row 5, the second row 2: the table needs 6 rows.
+    wide, narrow = BufferRef("s0.wide"), BufferRef("s0.narrow")
+    effects: list[Effect] = [
+        CopyHostToDevice(step=0, op=Op.CONSUME, source=[5], buffer=wide, stream=Stream.MAIN),
+        CopyHostToDevice(step=0, op=Op.CONSUME, source=[2], buffer=narrow, stream=Stream.MAIN),
+        *(
+            GatherRows(
+                step=0,
+                op=Op.CONSUME,
+                source=TABLE,
+                index=index,
+                out=BufferRef(f"s0.rows{n}"),
+                stream=Stream.MAIN,
+            )
+            for n, index in enumerate((wide, narrow))
+        ),
+    ]
+    log = EffectLog.from_effects(HEADER, effects)
+    assert placeholder_inputs(log).specs(0) == {TABLE: TensorSpec((6,), DType.INT32)}
+    replay(log, NumpyInterpreter(), before_step=placeholder_inputs(log))
+
+
+@pytest.mark.parametrize("sizes", [(2, 4), (4, 2)])
+def test_an_input_packed_twice_fits_the_smaller_region(sizes: tuple[int, int]) -> None:
+    # Packed into a 2-element section and a 4-element one: 2 elements fit both.
+    effects: list[Effect] = [
+        Pack(
+            step=0,
+            op=Op.BROADCAST,
+            sections=(Section(buffer=NUM_SAMPLED, offset=0, shape=(size,), dtype=DType.INT32),),
+            out=BufferRef(f"s0.wire{size}"),
+            nbytes=16,
+            stream=Stream.MAIN,
+        )
+        for size in sizes
+    ]
+    log = EffectLog.from_effects(HEADER, effects)
+    assert placeholder_inputs(log).specs(0) == {NUM_SAMPLED: TensorSpec((2,), DType.INT32)}
+    replay(log, NumpyInterpreter(), before_step=placeholder_inputs(log))
+
+
+def test_rows_of_unknown_index_stay_unknown_when_tied_to_another_input() -> None:
+    # The table's rows are indexed by received values, then stacked with the counts:
+    # one length, which the log does not give (the counts' own length is not said).
+    log = received_index_log()
+    effects: list[Effect] = [
+        *(record.effect for record in log.records),
+        StackRows(
+            step=0,
+            op=Op.CONSUME,
+            sources=(NUM_SAMPLED, TABLE),
+            out=BufferRef("s0.stacked"),
+            stream=Stream.MAIN,
+        ),
+    ]
+    binder = placeholder_inputs(EffectLog.from_effects(log.header, effects))
+    with pytest.raises(InputShapeError, match=r"'s0\.index', whose values the log does not hold"):
+        binder.specs(0)
+
+
+def scattered_index_log(*, known: bool) -> EffectLog:
+    """A gather from the table by an index a scatter wrote: rows of values the log
+    holds (`known`), or of an allocated buffer's, which it does not."""
+    slots, index, rows = BufferRef("s0.slots"), BufferRef("s0.index"), BufferRef("s0.rows")
+    source: Effect = (
+        CopyHostToDevice(step=0, op=Op.CONSUME, source=[7], buffer=rows, stream=Stream.MAIN)
+        if known
+        else Allocate(
+            step=0, op=Op.CONSUME, buffer=rows, shape=(1,), dtype=DType.INT32, stream=Stream.MAIN
+        )
+    )
+    effects: list[Effect] = [
+        CopyHostToDevice(step=0, op=Op.CONSUME, source=[1], buffer=slots, stream=Stream.MAIN),
+        CopyHostToDevice(step=0, op=Op.CONSUME, source=[0, 0], buffer=index, stream=Stream.MAIN),
+        source,
+        ScatterRows(
+            step=0, op=Op.CONSUME, source=rows, index=slots, target=index, stream=Stream.MAIN
+        ),
+        GatherRows(
+            step=0,
+            op=Op.CONSUME,
+            source=TABLE,
+            index=index,
+            out=BufferRef("s0.drafts"),
+            stream=Stream.MAIN,
+        ),
+    ]
+    return EffectLog.from_effects(HEADER, effects)
+
+
+def test_an_index_a_scatter_wrote_reaches_the_scattered_values() -> None:
+    log = scattered_index_log(known=True)
+    assert placeholder_inputs(log).specs(0) == {TABLE: TensorSpec((8,), DType.INT32)}
+    replay(log, NumpyInterpreter(), before_step=placeholder_inputs(log))
+
+
+def test_an_index_a_scatter_wrote_with_unknown_values_has_unknown_values() -> None:
+    binder = placeholder_inputs(scattered_index_log(known=False))
+    with pytest.raises(InputShapeError, match=r"'s0\.index', whose values the log does not hold"):
+        binder.specs(0)
+
+
+def test_a_table_indexed_by_no_rows_needs_none() -> None:
+    index = BufferRef("s0.none")
+    effects: list[Effect] = [
+        CopyHostToDevice(step=0, op=Op.CONSUME, source=[], buffer=index, stream=Stream.MAIN),
+        GatherRows(
+            step=0,
+            op=Op.CONSUME,
+            source=TABLE,
+            index=index,
+            out=BufferRef("s0.rows"),
+            stream=Stream.MAIN,
+        ),
+    ]
+    log = EffectLog.from_effects(HEADER, effects)
+    assert placeholder_inputs(log).specs(0) == {TABLE: TensorSpec((0,), DType.INT32)}
+    replay(log, NumpyInterpreter(), before_step=placeholder_inputs(log))
+
+
+def test_a_table_of_fewer_rows_than_its_index_reaches_is_a_typed_error() -> None:
+    # The gather reaches row 3; stacked with a 3-element buffer, the table has 3 rows.
+    index, three = BufferRef("s0.index"), BufferRef("s0.three")
+    effects: list[Effect] = [
+        CopyHostToDevice(step=0, op=Op.CONSUME, source=[3], buffer=index, stream=Stream.MAIN),
+        Allocate(
+            step=0, op=Op.CONSUME, buffer=three, shape=(3,), dtype=DType.INT32, stream=Stream.MAIN
+        ),
+        GatherRows(
+            step=0,
+            op=Op.CONSUME,
+            source=TABLE,
+            index=index,
+            out=BufferRef("s0.rows"),
+            stream=Stream.MAIN,
+        ),
+        StackRows(
+            step=0,
+            op=Op.CONSUME,
+            sources=(three, TABLE),
+            out=BufferRef("s0.stacked"),
+            stream=Stream.MAIN,
+        ),
+    ]
+    binder = placeholder_inputs(EffectLog.from_effects(HEADER, effects))
+    with pytest.raises(InputShapeError, match="a dimension of size 3 is indexed up to row 3"):
+        binder.specs(0)
+
+
+def test_an_input_of_many_dimensions_keeps_them_all() -> None:
+    shape = (1, 2, 1, 3, 1, 2)
+    section = Section(buffer=TOKENS, offset=0, shape=shape, dtype=DType.INT64)
+    pack = Pack(
+        step=0,
+        op=Op.BROADCAST,
+        sections=(section,),
+        out=BufferRef("s0.wire"),
+        nbytes=16 * 8,
+        stream=Stream.MAIN,
+    )
+    log = EffectLog.from_effects(HEADER, [pack])
+    assert placeholder_inputs(log).specs(0) == {TOKENS: TensorSpec(shape, DType.INT64)}
+
+
+def test_an_input_stacked_with_a_wire_is_as_long_as_its_words() -> None:
+    section = Section(buffer=NUM_SAMPLED, offset=0, shape=(2,), dtype=DType.INT32)
+    wire = BufferRef("s0.wire")
+    effects: list[Effect] = [
+        Pack(
+            step=0,
+            op=Op.BROADCAST,
+            sections=(section,),
+            out=wire,
+            nbytes=4 * 8,
+            stream=Stream.MAIN,
+        ),
+        StackRows(
+            step=0,
+            op=Op.BROADCAST,
+            sources=(wire, TOKENS),
+            out=BufferRef("s0.both"),
+            stream=Stream.MAIN,
+        ),
+    ]
+    log = EffectLog.from_effects(HEADER, effects)
+    assert placeholder_inputs(log).specs(0)[TOKENS] == TensorSpec((4,), DType.INT64)
+    replay(log, NumpyInterpreter(), before_step=placeholder_inputs(log))
+
+
+def test_two_runs_of_a_step_that_disagree_on_an_input_are_a_typed_error() -> None:
+    # Step 0 in two runs (as an overlapped agreement splits it), stacking the counts
+    # with 2 and then 3 elements: no one placeholder fits both.
+    effects: list[Effect] = []
+    for run, (step, length) in enumerate(((0, 2), (1, 1), (0, 3))):
+        made = BufferRef(f"run{run}.made")
+        effects += [
+            Allocate(
+                step=step,
+                op=Op.BROADCAST,
+                buffer=made,
+                shape=(length,),
+                dtype=DType.INT32,
+                stream=Stream.MAIN,
+            ),
+            StackRows(
+                step=step,
+                op=Op.BROADCAST,
+                sources=(made, NUM_SAMPLED),
+                out=BufferRef(f"run{run}.stacked"),
+                stream=Stream.MAIN,
+            ),
+        ]
+    binder = placeholder_inputs(EffectLog.from_effects(HEADER, effects))
+    assert binder.specs(1) == {NUM_SAMPLED: TensorSpec((1,), DType.INT32)}
+    with pytest.raises(InputShapeError, match="two batches of step 0 need") as caught:
+        binder.specs(0)
+    assert caught.value.buffer == NUM_SAMPLED
+
+
+def test_records_that_disagree_on_an_inputs_dimensions_are_a_typed_error() -> None:
+    # Packed as 2-D, then stacked with a 1-D buffer: no one shape is both.
+    made = BufferRef("s0.made")
+    section = Section(buffer=TOKENS, offset=0, shape=(2, 3), dtype=DType.INT32)
+    effects: list[Effect] = [
+        Pack(
+            step=0,
+            op=Op.BROADCAST,
+            sections=(section,),
+            out=BufferRef("s0.wire"),
+            nbytes=32,
+            stream=Stream.MAIN,
+        ),
+        Allocate(
+            step=0, op=Op.BROADCAST, buffer=made, shape=(2,), dtype=DType.INT32, stream=Stream.MAIN
+        ),
+        StackRows(
+            step=0,
+            op=Op.BROADCAST,
+            sources=(made, TOKENS),
+            out=BufferRef("s0.stacked"),
+            stream=Stream.MAIN,
+        ),
+    ]
+    binder = placeholder_inputs(EffectLog.from_effects(HEADER, effects))
+    with pytest.raises(
+        InputShapeError,
+        match=r"record #2 \(StackRows\) needs another number of dimensions than another record",
+    ):
+        binder.specs(0)
+
+
 # -- replay's before_step --------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -885,15 +886,55 @@ def test_a_worlds_store_port_is_below_the_ephemeral_range_and_free(
 
     monkeypatch.setattr(supervise, "_can_listen", busy_but_the_fourth)
     assert supervise._free_port() == tried[3]
-    # Free, but handed out already (to a world whose rank 0 is not listening yet).
+    # Free, but handed out already (to a world whose rank 0 is not listening yet): the
+    # draw after it, which is handed out from then on.
     monkeypatch.setattr(supervise, "_can_listen", lambda port: True)
     monkeypatch.setattr(supervise, "_STORE_PORTS", 2)
     monkeypatch.setattr(supervise, "_HANDED_OUT", {low - 2})
+
+    class Draws:
+        drawn = iter([low - 2, low - 1])
+
+        def randrange(self, start: int, stop: int) -> int:
+            assert (start, stop) == (low - 2, low)
+            return next(self.drawn)
+
+    monkeypatch.setattr(random, "SystemRandom", Draws)
     assert supervise._free_port() == low - 1
+    assert sorted(supervise._HANDED_OUT) == [low - 2, low - 1]
     # An ephemeral range from 1024 up leaves no port below it: an ephemeral one (an
     # empty range to draw from raised ValueError).
     monkeypatch.setattr(supervise, "_ephemeral_low", lambda: 1024)
     assert supervise._free_port() >= 1024
+
+
+def test_a_port_whose_closed_connections_wait_out_their_time_is_free() -> None:
+    # TCPStore listens with SO_REUSEADDR: a port whose connections an ended store
+    # closed (they wait in TIME_WAIT) is free to it, and the check must say so too.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):
+            served, _ = listener.accept()
+            served.close()  # closed first: the store's end waits out its time
+    assert supervise._can_listen(port)
+
+
+@pytest.mark.parametrize(
+    ("text", "low"),
+    [("40000\t60999\n", 40000), (None, 32768), ("", 32768), ("many ports\n", 32768)],
+    ids=["read", "missing", "empty", "unreadable"],
+)
+def test_the_ephemeral_range_is_the_kernels_or_linuxs_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str | None, low: int
+) -> None:
+    path = tmp_path / "ip_local_port_range"
+    if text is not None:
+        path.write_text(text)
+    monkeypatch.setattr(supervise, "_EPHEMERAL_RANGE", path)
+    assert supervise._ephemeral_low() == low
 
 
 def test_ranks_get_every_setting_and_the_log_folder_and_trace() -> None:
