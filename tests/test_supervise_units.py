@@ -754,6 +754,19 @@ def test_a_lock_held_without_a_pid_is_refused_without_one(tmp_path: Path) -> Non
     assert f"--log-dir {tmp_path} is in use by another purepp run. Fix:" in str(refused.value)
 
 
+def test_a_lock_only_read_is_no_run_and_is_waited_out_a_while(tmp_path: Path) -> None:
+    # purepp check tests for a writer with a shared lock, for a moment: the run tries
+    # again (as dump_logs does, through the same logfile.lock_log_dir), and names a
+    # reader that never lets go as what it is.
+    with (tmp_path / supervise.LOCK_FILE).open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_SH)
+        with pytest.raises(UsageError) as refused, _log_dir_lock(tmp_path, "run"):
+            pass
+    assert f"--log-dir {tmp_path} is in use by purepp check, reading it over" in str(refused.value)
+    with _log_dir_lock(tmp_path, "run"):  # the reader let go: the run takes it
+        assert (tmp_path / supervise.LOCK_FILE).read_text() == f"{os.getpid()} run\n"
+
+
 # -- the temporary folder -----------------------------------------------------------------
 
 

@@ -66,6 +66,7 @@ from purepp.layout import Layout
 __all__ = [
     "LOCK_FILE",
     "CutHeader",
+    "LogDirHeld",
     "LogStream",
     "as_path",
     "check_same_run",
@@ -74,6 +75,7 @@ __all__ = [
     "header_json",
     "load_log",
     "load_logs",
+    "lock_log_dir",
     "log_dir_writer",
     "log_file_name",
     "log_paths",
@@ -281,8 +283,45 @@ def rank_logs(call: str, folder: Path) -> dict[str, Path]:
     return {name: folder / name for name in names}
 
 
-# Times a dump tries the folder's lock while only readers (`purepp check`) hold it.
+# Times the folder's lock is tried while only readers (`purepp check`) hold it.
 _LOCK_TRIES = 100
+
+
+@attrs.frozen
+class LogDirHeld:
+    """Who holds a log folder's lock: what its writer wrote there (a run's pid and run
+    id, a dump's pid; "" before it wrote), or None when only readers held it throughout."""
+
+    writer: str | None
+
+
+def lock_log_dir(fd: int, holder: str) -> LogDirHeld | None:
+    """Take the exclusive lock on `fd`, a log folder's open `LOCK_FILE`, and write `holder`
+    into it (so a writer refused meanwhile is named); None once taken, else who holds it.
+
+    `purepp run` holds it for its whole run, a dump while it dumps. `purepp check` tests
+    for a writer with a shared lock, held a moment: while only readers hold it, it is
+    tried again, up to `_LOCK_TRIES` times. POSIX only (fcntl).
+    """
+    import fcntl  # here: logs are read and written on any OS; only locking needs POSIX
+
+    for _ in range(_LOCK_TRIES):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            pass
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except BlockingIOError:  # exclusive: a writer
+            return LogDirHeld(os.pread(fd, 200, 0).decode("ascii", errors="replace").strip())
+        time.sleep(0.001)
+    else:
+        return LogDirHeld(None)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{holder}\n".encode("ascii", errors="replace"), 0)
+    return None
 
 
 @contextlib.contextmanager
@@ -295,7 +334,7 @@ def _run_lock_held(call: str, folder: Path) -> Iterator[None]:
     kept out.
     """
     try:
-        import fcntl  # here: logs are written on any OS, and purepp run locks only on POSIX
+        import fcntl  # noqa: F401  # only to know whether this OS locks (POSIX)
     except ImportError:
         yield
         return
@@ -312,36 +351,21 @@ def _run_lock_held(call: str, folder: Path) -> Iterator[None]:
             "make it readable and writable, or dump the logs into another folder",
         ) from error
     try:
-        for _ in range(_LOCK_TRIES):
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                pass
-            try:
-                # Shared, it is `purepp check` testing for a writer, for a moment: try again.
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            except BlockingIOError:
-                # Exclusive: a run writing its logs (or another dump).
-                holder = os.pread(fd, 200, 0).decode("ascii", errors="replace").strip()
-                raise InvalidInputError(
-                    call,
-                    f"directory {str(folder)!r} is being written by a live purepp run "
-                    f"(pid and run id: {holder or 'not written yet'})",
-                    "wait for the run to end, or dump the logs into another folder",
-                ) from None
-            time.sleep(0.001)
-        else:
+        held = lock_log_dir(fd, f"{os.getpid()} dump_logs")
+        if held is not None and held.writer is None:
             raise InvalidInputError(
                 call,
                 f"directory {str(folder)!r}: its lock is held by readers through "
                 f"{_LOCK_TRIES} tries (purepp check, reading it over and over)",
                 "dump the logs when nothing checks the folder, or into another folder",
             )
-        # As `purepp run` does: the lock says who holds it, for a run refused meanwhile.
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} dump_logs\n".encode("ascii"), 0)
+        if held is not None:
+            raise InvalidInputError(
+                call,
+                f"directory {str(folder)!r} is being written by a live purepp run "
+                f"(pid and run id: {held.writer or 'not written yet'})",
+                "wait for the run to end, or dump the logs into another folder",
+            )
         yield
     finally:
         os.close(fd)  # releases the lock

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import os
 import random
 import re
@@ -139,18 +138,18 @@ def _log_dir_lock(folder: Path, run_id: str) -> Iterator[None]:
     path = folder / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").split()
-            who = f" (pid {holder[0]})" if holder else ""
+        held = logfile.lock_log_dir(fd, f"{os.getpid()} {run_id}")
+        if held is not None:
+            if held.writer is None:
+                user = "purepp check, reading it over and over"
+            else:
+                pid = held.writer.split()[:1]
+                user = f"another purepp run{f' (pid {pid[0]})' if pid else ''}"
             raise UsageError(
                 "purepp run",
-                f"--log-dir {folder} is in use by another purepp run{who}",
+                f"--log-dir {folder} is in use by {user}",
                 "wait for it to finish, or pass another --log-dir",
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {run_id}\n".encode(), 0)
+            )
         yield
     finally:
         os.close(fd)  # releases the lock
