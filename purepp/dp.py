@@ -71,6 +71,7 @@ import numpy.typing as npt
 
 from purepp._checks import INT32_MAX, check_bool, check_int, check_optional_int, store_ints
 from purepp._text import a_type, with_article
+from purepp._trusted import trusted
 from purepp.cudagraph import BatchExecutionDescriptor, CUDAGraphMode, Dispatcher
 from purepp.effects.arrays import ARRAY_EQ, IntArray, readonly
 from purepp.effects.vocabulary import (
@@ -128,8 +129,11 @@ ROW_NUM_REQS = 4  # requests this rank scheduled (seed layout; see TableLayout.r
 ROW_ALLOW_UBATCHING = 4  # newest layout only: 1 when this rank votes to microbatch
 TABLE_ROWS = 5  # rows of the seed's layout
 
-_new = object.__new__
-_set = object.__setattr__
+# The steps build these from values they have checked (purepp._trusted: no converters,
+# validators or post-init checks, half the cost of attrs's constructor).
+_AllReduce = trusted(AllReduce)
+_Release = trusted(Release)
+_Descriptor = trusted(BatchExecutionDescriptor)
 _INT32 = np.dtype(np.int32)
 
 
@@ -391,12 +395,13 @@ class DispatchOutcome:
     sync: DPSyncState | None  # None with a single rank or when no rank had work
 
 
+_DPSyncState = trusted(DPSyncState)
+_DispatchOutcome = trusted(DispatchOutcome)
+
+
 def _outcome(descriptor: BatchExecutionDescriptor, sync: DPSyncState | None) -> DispatchOutcome:
     """A DispatchOutcome from values the library built (it has no checks to skip)."""
-    out = _new(DispatchOutcome)
-    _set(out, "descriptor", descriptor)
-    _set(out, "sync", sync)
-    return out
+    return _DispatchOutcome(descriptor=descriptor, sync=sync)
 
 
 def _check_batch(instance: RankBatch) -> None:
@@ -542,6 +547,8 @@ class PendingAgreement:
     # the forward) builds only the decision:
     release: tuple[Effect, ...]  # the finish's effects: release the table's binding
 
+
+_PendingAgreement = trusted(PendingAgreement)
 
 AgreementStarted: TypeAlias = Step[AgreementLanes, PendingAgreement]
 AgreementFinished: TypeAlias = Step[AgreementLanes, DispatchOutcome]
@@ -721,13 +728,14 @@ def start_agreement(
         release=(_release(step, table_ref),),
     )
     # Built without AllReduce's converter: the contribution is frozen int32 already.
-    all_reduce = _new(AllReduce)
-    _set(all_reduce, "step", step)
-    _set(all_reduce, "op", Op.AGREE)
-    _set(all_reduce, "contribution", contribution)
-    _set(all_reduce, "result", table_ref)
-    _set(all_reduce, "comm", group.comm_of(lane))
-    _set(all_reduce, "work", work)
+    all_reduce = _AllReduce(
+        step=step,
+        op=Op.AGREE,
+        contribution=contribution,
+        result=table_ref,
+        comm=group.comm_of(lane),
+        work=work,
+    )
     return Step(busy, (all_reduce,), pending)
 
 
@@ -757,32 +765,26 @@ def _pending(
     own: tuple[int, ...] = (),
     release: tuple[Effect, ...] = (),
 ) -> PendingAgreement:
-    """A PendingAgreement from checked values (it has no checks; its keyword `__init__`
-    costs more than the fields). The defaults are a start decided at once."""
-    out = _new(PendingAgreement)
-    _set(out, "step", step)
-    _set(out, "lane", lane)
-    _set(out, "group", group)
-    _set(out, "batch", batch)
-    _set(out, "dispatcher", dispatcher)
-    _set(out, "desired", desired)
-    _set(out, "decided", decided)
-    _set(out, "table", table)
-    _set(out, "work", work)
-    _set(out, "contribution", contribution)
-    _set(out, "own", own)
-    _set(out, "release", release)
-    return out
+    """A PendingAgreement from checked values. The defaults are a start decided at once."""
+    return _PendingAgreement(
+        step=step,
+        lane=lane,
+        group=group,
+        batch=batch,
+        dispatcher=dispatcher,
+        desired=desired,
+        decided=decided,
+        table=table,
+        work=work,
+        contribution=contribution,
+        own=own,
+        release=release,
+    )
 
 
 def _release(step: int, buffer: BufferRef) -> Release:
-    """The finish's Release, equal to `Release(step=step, op=Op.AGREE, buffer=buffer)`
-    (no converters or checks to skip)."""
-    out = _new(Release)
-    _set(out, "step", step)
-    _set(out, "op", Op.AGREE)
-    _set(out, "buffer", buffer)
-    return out
+    """The finish's Release of the reduced table."""
+    return _Release(step=step, op=Op.AGREE, buffer=buffer)
 
 
 def _column(
@@ -827,15 +829,15 @@ def _eager(
     num_tokens: int, num_reqs: int, num_active_loras: int, num_ubatches: int = 1
 ) -> BatchExecutionDescriptor:
     """An eager descriptor from counts the library checked (no constructor checks)."""
-    out = _new(BatchExecutionDescriptor)
-    _set(out, "cg_mode", CUDAGraphMode.NONE)
-    _set(out, "num_tokens", num_tokens)
-    _set(out, "num_reqs", num_reqs)
-    _set(out, "uniform_token_count", None)
-    _set(out, "max_query_len", None)
-    _set(out, "num_active_loras", num_active_loras)
-    _set(out, "num_ubatches", num_ubatches)
-    return out
+    return _Descriptor(
+        cg_mode=CUDAGraphMode.NONE,
+        num_tokens=num_tokens,
+        num_reqs=num_reqs,
+        uniform_token_count=None,
+        max_query_len=None,
+        num_active_loras=num_active_loras,
+        num_ubatches=num_ubatches,
+    )
 
 
 def _eager_for(batch: RankBatch, desired: BatchExecutionDescriptor) -> BatchExecutionDescriptor:
@@ -1120,13 +1122,13 @@ def _sync(
     max_query_len: int | None,
 ) -> DPSyncState:
     """A DPSyncState from agreed values the library checked (no constructor checks)."""
-    out = _new(DPSyncState)
-    _set(out, "num_tokens_across_dp", counts)
-    _set(out, "uniform_token_count", uniform)
-    _set(out, "eager", eager)
-    _set(out, "num_reqs", num_reqs)
-    _set(out, "max_query_len", max_query_len)
-    return out
+    return _DPSyncState(
+        num_tokens_across_dp=counts,
+        uniform_token_count=uniform,
+        eager=eager,
+        num_reqs=num_reqs,
+        max_query_len=max_query_len,
+    )
 
 
 # -- every rank in one process ------------------------------------------------------------

@@ -48,6 +48,7 @@ import numpy.typing as npt
 
 from purepp._checks import INT32_MAX
 from purepp._text import a_type, with_article
+from purepp._trusted import trusted
 from purepp.batch import BatchFacts
 from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray, frozen
 from purepp.effects.keyed import KeyedEffects
@@ -110,6 +111,34 @@ HEADER_SHAPE = (2,)  # shape of the opt-in relay header: [step, request count] i
 # The header's step wraps: it is int32 on the wire, and a server may run past 2**31 steps.
 _HEADER_STEP_MODULUS = 2**31
 _ALIGN = 16  # bytes: every packed section starts on a 16-byte boundary
+
+# The steps build every effect from values they have checked, with the trusted
+# constructors (purepp._trusted: half the cost of attrs's). Enum members they use on
+# every step are module constants: one read through the class costs 80 ns on CPython
+# 3.11, a module constant 8.
+_Alias = trusted(Alias)
+_Allocate = trusted(Allocate)
+_Broadcast = trusted(Broadcast)
+_CheckHeader = trusted(CheckHeader)
+_CopyHostToDevice = trusted(CopyHostToDevice)
+_ForgetEvent = trusted(ForgetEvent)
+_GatherRows = trusted(GatherRows)
+_Pack = trusted(Pack)
+_PadColumns = trusted(PadColumns)
+_RecordEvent = trusted(RecordEvent)
+_RecordStream = trusted(RecordStream)
+_Release = trusted(Release)
+_ScatterRows = trusted(ScatterRows)
+_Section = trusted(Section)
+_StackRows = trusted(StackRows)
+_Synchronize = trusted(Synchronize)
+_Unpack = trusted(Unpack)
+_WaitEvent = trusted(WaitEvent)
+_WaitStream = trusted(WaitStream)
+_MAIN, _RELAY = Stream.MAIN, Stream.RELAY
+_INT32, _INT64 = DType.INT32, DType.INT64
+_PP_RELAY = Communicator.PP_RELAY
+_new_str = str.__new__
 
 
 class Platform(enum.Enum):
@@ -363,6 +392,11 @@ class ConsumedOutputs:
     idx_mapping_np: IntArray = attrs.field(eq=ARRAY_EQ)  # the same on the host
 
 
+_PendingReceive = trusted(PendingReceive)
+_RelayState = trusted(RelayState)
+_ConsumedOutputs = trusted(ConsumedOutputs)
+
+
 def relay_header(step: int, num_reqs: int) -> IntArray:
     """The opt-in header of `step`'s broadcasts: [step mod 2**31, request count], int32.
 
@@ -395,7 +429,7 @@ def init_relay(config: RelayConfig) -> RelayState:
         () if config.is_last_stage else (None,) * config.ring_depth
     )
     generations = frozen(np.zeros(config.max_num_reqs, dtype=np.int32))
-    return RelayState(step=0, ring=ring, generations=generations)
+    return _RelayState(step=0, ring=ring, generations=generations)
 
 
 def _check_config_type(call: str, config: object) -> None:
@@ -435,13 +469,13 @@ def end_step(config: RelayConfig, state: RelayState) -> Step[RelayState, None]:
     step = state.step
     releases = state.to_release
     effects: tuple[Effect, ...] = tuple(
-        [Release(step=step, op=Op.END_STEP, buffer=buffer) for buffer in releases]
+        [_Release(step=step, op=Op.END_STEP, buffer=buffer) for buffer in releases]
     )
     count = len(releases)
     if count < 2 or len(set(releases)) == count:  # distinct names: the count is the structure
         effects = KeyedEffects(effects, ("relay.end_step", count))
     return Step(
-        RelayState(step=step + 1, ring=state.ring, generations=state.generations), effects, None
+        _RelayState(step=step + 1, ring=state.ring, generations=state.generations), effects, None
     )
 
 
@@ -482,7 +516,7 @@ def free_request_slots(
     # sees that something was freed.
     bumps = np.bincount(indices.astype(np.intp, copy=False), minlength=config.max_num_reqs)
     generations = (state.generations + bumps).astype(np.int32, copy=False)
-    new_state = RelayState(
+    new_state = _RelayState(
         step=state.step,
         ring=state.ring,
         generations=np.frombuffer(generations.tobytes(), dtype=np.int32),
@@ -558,21 +592,22 @@ def _broadcast(  # noqa: PLR0917  # the wire contract's fields, in their order
     dtype: DType,
 ) -> Broadcast:
     """A relay broadcast: from the last stage, over the relay communicator and stream."""
-    return Broadcast(
+    return _Broadcast(
         step=step,
         op=op,
         buffer=buffer,
         shape=shape,
         dtype=dtype,
         src=config.last_rank,
-        comm=Communicator.PP_RELAY,
-        stream=Stream.RELAY,
+        comm=_PP_RELAY,
+        stream=_RELAY,
     )
 
 
 def _names(config: RelayConfig, step: int, *what: str) -> list[BufferRef]:
+    """This step's buffer names, `{config.name}.step{step}.{what}`, for each `what`."""
     prefix = f"{config.name}.step{step}."
-    return [BufferRef(prefix + w) for w in what]
+    return [_new_str(BufferRef, prefix + w) for w in what]  # a str: skip BufferRef's check
 
 
 # ---- receive ------------------------------------------------------------------------------
@@ -607,7 +642,7 @@ def receive(config: RelayConfig, state: RelayState, batch: BatchFacts) -> Step[R
         effects, pending = _receive_packed(config, state, batch, mask)
     # The batch's structure follows from the configuration and the wire rows alone.
     effects = KeyedEffects(effects, ("relay.receive", config, pending.rows))
-    new_state = RelayState(
+    new_state = _RelayState(
         step=state.step,
         ring=(*state.ring[:-1], pending),
         generations=state.generations,
@@ -632,7 +667,7 @@ def _pending(
     `views` are the tokens, both counts and the drafts (None without speculation).
     """
     sampled, num_sampled, num_rejected, drafts = views
-    return PendingReceive(
+    return _PendingReceive(
         step=state.step,
         event=event,
         sampled_tokens=sampled,
@@ -656,67 +691,65 @@ def _receive_seed(
     op = Op.RECEIVE
     n = batch.num_reqs
     spec = config.num_speculative_steps
-    relay = Stream.RELAY
+    relay = _RELAY
     sampled, counts, num_sampled, num_rejected, idx_mapping = _names(
         config, step, "sampled_tokens", "counts", "num_sampled", "num_rejected", "idx_mapping"
     )
     event = EventRef(f"{config.name}.step{step}.received")
     sampled_shape = (n, config.max_sample_len)
     # Receives start only after the main stream's queued work, as the sends do.
-    effects: list[Effect] = [WaitStream(step=step, op=op, stream=relay, waits_for=Stream.MAIN)]
+    effects: list[Effect] = [_WaitStream(step=step, op=op, stream=relay, waits_for=_MAIN)]
     header: tuple[BufferRef, ...] = ()
     if config.validate_header:
         # Checked on the relay stream ahead of every receive whose shape depends on n.
-        header = (BufferRef(f"{config.name}.step{step}.header"),)
+        header = tuple(_names(config, step, "header"))
         effects += [
-            Allocate(
+            _Allocate(
                 step=step,
                 op=op,
                 buffer=header[0],
                 shape=HEADER_SHAPE,
-                dtype=DType.INT32,
+                dtype=_INT32,
                 stream=relay,
             ),
-            _broadcast(config, step, op, header[0], HEADER_SHAPE, DType.INT32),
-            CheckHeader(
+            _broadcast(config, step, op, header[0], HEADER_SHAPE, _INT32),
+            _CheckHeader(
                 step=step, op=op, buffer=header[0], expected=relay_header(step, n), stream=relay
             ),
         ]
     effects += [
-        Allocate(
-            step=step, op=op, buffer=sampled, shape=sampled_shape, dtype=DType.INT64, stream=relay
+        _Allocate(
+            step=step, op=op, buffer=sampled, shape=sampled_shape, dtype=_INT64, stream=relay
         ),
-        Allocate(step=step, op=op, buffer=counts, shape=(2, n), dtype=DType.INT32, stream=relay),
-        _broadcast(config, step, op, sampled, sampled_shape, DType.INT64),
-        _broadcast(config, step, op, counts, (2, n), DType.INT32),
+        _Allocate(step=step, op=op, buffer=counts, shape=(2, n), dtype=_INT32, stream=relay),
+        _broadcast(config, step, op, sampled, sampled_shape, _INT64),
+        _broadcast(config, step, op, counts, (2, n), _INT32),
     ]
     drafts = None
     if spec:
-        drafts = BufferRef(f"{config.name}.step{step}.draft_tokens")
+        (drafts,) = _names(config, step, "draft_tokens")
         effects += [
-            Allocate(
-                step=step, op=op, buffer=drafts, shape=(n, spec), dtype=DType.INT64, stream=relay
-            ),
-            _broadcast(config, step, op, drafts, (n, spec), DType.INT64),
+            _Allocate(step=step, op=op, buffer=drafts, shape=(n, spec), dtype=_INT64, stream=relay),
+            _broadcast(config, step, op, drafts, (n, spec), _INT64),
         ]
-    effects.append(RecordEvent(step=step, op=op, stream=relay, event=event))
+    effects.append(_RecordEvent(step=step, op=op, stream=relay, event=event))
     # The counts' two rows, as views (the seed's unbind): no copy, no kernel.
     effects.append(
-        Unpack(
+        _Unpack(
             step=step,
             op=op,
             source=counts,
-            stream=Stream.MAIN,
+            stream=_MAIN,
             sections=(
-                Section(buffer=num_sampled, offset=0, shape=(n,), dtype=DType.INT32),
-                Section(buffer=num_rejected, offset=4 * n, shape=(n,), dtype=DType.INT32),
+                _Section(buffer=num_sampled, offset=0, shape=(n,), dtype=_INT32),
+                _Section(buffer=num_rejected, offset=4 * n, shape=(n,), dtype=_INT32),
             ),
         )
     )
     # Allocated on the relay stream but read on main at consume: keep them alive for it.
     received = (sampled, counts) if drafts is None else (sampled, counts, drafts)
-    effects += [RecordStream(step=step, op=op, buffer=b, stream=Stream.MAIN) for b in received]
-    effects.append(Alias(step=step, op=op, source=config.inputs.idx_mapping, out=idx_mapping))
+    effects += [_RecordStream(step=step, op=op, buffer=b, stream=_MAIN) for b in received]
+    effects.append(_Alias(step=step, op=op, source=config.inputs.idx_mapping, out=idx_mapping))
     pending = _pending(
         state,
         batch,
@@ -739,55 +772,55 @@ def _receive_packed(
     rows = config.wire_rows(n)
     spec = config.num_speculative_steps
     layout = _packed_layout(rows, spec, config.validate_header)
-    relay = Stream.RELAY
+    relay = _RELAY
     wire, sampled, num_sampled, num_rejected = _names(
         config, step, "wire", "sampled_tokens", "num_sampled", "num_rejected"
     )
     event = EventRef(f"{config.name}.step{step}.received")
     words = (layout.nbytes // 8,)
     effects: list[Effect] = [
-        WaitStream(step=step, op=op, stream=relay, waits_for=Stream.MAIN),
-        Allocate(step=step, op=op, buffer=wire, shape=words, dtype=DType.INT64, stream=relay),
-        _broadcast(config, step, op, wire, words, DType.INT64),
+        _WaitStream(step=step, op=op, stream=relay, waits_for=_MAIN),
+        _Allocate(step=step, op=op, buffer=wire, shape=words, dtype=_INT64, stream=relay),
+        _broadcast(config, step, op, wire, words, _INT64),
     ]
     names: list[BufferRef] = [wire]
     if config.validate_header:
-        header = BufferRef(f"{config.name}.step{step}.header")
+        (header,) = _names(config, step, "header")
         names.append(header)
         effects += [
-            Unpack(
+            _Unpack(
                 step=step,
                 op=op,
                 source=wire,
                 stream=relay,
-                sections=(Section(buffer=header, offset=0, shape=HEADER_SHAPE, dtype=DType.INT32),),
+                sections=(_Section(buffer=header, offset=0, shape=HEADER_SHAPE, dtype=_INT32),),
             ),
-            CheckHeader(
+            _CheckHeader(
                 step=step, op=op, buffer=header, expected=relay_header(step, n), stream=relay
             ),
         ]
-    effects.append(RecordEvent(step=step, op=op, stream=relay, event=event))
+    effects.append(_RecordEvent(step=step, op=op, stream=relay, event=event))
     sections = [
-        Section(buffer=sampled, offset=layout.tokens, shape=(rows, spec + 1), dtype=DType.INT64),
-        Section(buffer=num_sampled, offset=layout.num_sampled, shape=(rows,), dtype=DType.INT32),
-        Section(buffer=num_rejected, offset=layout.num_rejected, shape=(rows,), dtype=DType.INT32),
+        _Section(buffer=sampled, offset=layout.tokens, shape=(rows, spec + 1), dtype=_INT64),
+        _Section(buffer=num_sampled, offset=layout.num_sampled, shape=(rows,), dtype=_INT32),
+        _Section(buffer=num_rejected, offset=layout.num_rejected, shape=(rows,), dtype=_INT32),
     ]
     drafts = None
     if spec:
-        drafts = BufferRef(f"{config.name}.step{step}.draft_tokens")
+        (drafts,) = _names(config, step, "draft_tokens")
         sections.append(
-            Section(buffer=drafts, offset=layout.drafts, shape=(rows, spec), dtype=DType.INT64)
+            _Section(buffer=drafts, offset=layout.drafts, shape=(rows, spec), dtype=_INT64)
         )
     effects += [
-        Unpack(step=step, op=op, source=wire, stream=Stream.MAIN, sections=tuple(sections)),
+        _Unpack(step=step, op=op, source=wire, stream=_MAIN, sections=tuple(sections)),
         # Allocated on the relay stream, read on main at consume; the views share its memory.
-        RecordStream(step=step, op=op, buffer=wire, stream=Stream.MAIN),
+        _RecordStream(step=step, op=op, buffer=wire, stream=_MAIN),
     ]
     names += [s.buffer for s in sections]
     idx_mapping = None
     if config.wire is Wire.PACKED:
-        idx_mapping = BufferRef(f"{config.name}.step{step}.idx_mapping")
-        effects.append(Alias(step=step, op=op, source=config.inputs.idx_mapping, out=idx_mapping))
+        (idx_mapping,) = _names(config, step, "idx_mapping")
+        effects.append(_Alias(step=step, op=op, source=config.inputs.idx_mapping, out=idx_mapping))
         names.append(idx_mapping)
     pending = _pending(
         state,
@@ -823,7 +856,7 @@ def consume_previous_step(
     # Reserve this step's entry; `receive` fills it if a broadcast happens.
     ring = (*state.ring[1:], None)
     if oldest is None:
-        popped = RelayState(
+        popped = _RelayState(
             step=state.step, ring=ring, generations=state.generations, to_release=state.to_release
         )
         return Step(popped, (), None)
@@ -847,8 +880,8 @@ def consume_previous_step(
     if not n or (dropped and exclude is not None and exclude.all()):
         # No request wants these tokens any more; nothing waits on the receive, so its
         # event is dropped unwaited (the seed lets the entry be garbage-collected).
-        forget = ForgetEvent(step=step, op=op, event=oldest.event)
-        emptied = RelayState(
+        forget = _ForgetEvent(step=step, op=op, event=oldest.event)
+        emptied = _RelayState(
             step=step, ring=ring, generations=state.generations, to_release=released
         )
         return Step(emptied, KeyedEffects((forget,), ("relay.consume.forget",)), None)
@@ -866,28 +899,28 @@ def consume_previous_step(
         kept = slots if exclude is None else np.where(exclude, np.int32(-1), slots)
         padding = b"\xff" * (4 * (oldest.rows - n))
         idx_mapping_np = np.frombuffer(kept.tobytes() + padding, dtype=np.int32)
-        idx_mapping = BufferRef(f"{config.name}.step{step}.idx_mapping_filtered")
+        (idx_mapping,) = _names(config, step, "idx_mapping_filtered")
         effects.append(
-            CopyHostToDevice(
-                step=step, op=op, source=idx_mapping_np, buffer=idx_mapping, stream=Stream.MAIN
+            _CopyHostToDevice(
+                step=step, op=op, source=idx_mapping_np, buffer=idx_mapping, stream=_MAIN
             )
         )
         released += (idx_mapping,)
-    effects.append(WaitEvent(step=step, op=op, stream=Stream.MAIN, event=oldest.event))
+    effects.append(_WaitEvent(step=step, op=op, stream=_MAIN, event=oldest.event))
     if scatter:
         assert oldest.draft_tokens is not None
         effects.append(
-            ScatterRows(
+            _ScatterRows(
                 step=step,
                 op=op,
                 source=oldest.draft_tokens,
                 index=idx_mapping,
                 target=config.inputs.draft_table,
-                stream=Stream.MAIN,
+                stream=_MAIN,
                 skips=skips,
             )
         )
-    outputs = ConsumedOutputs(
+    outputs = _ConsumedOutputs(
         received_at_step=oldest.step,
         sampled_tokens=oldest.sampled_tokens,
         num_sampled=oldest.num_sampled,
@@ -895,7 +928,9 @@ def consume_previous_step(
         idx_mapping=idx_mapping,
         idx_mapping_np=idx_mapping_np,
     )
-    new_state = RelayState(step=step, ring=ring, generations=state.generations, to_release=released)
+    new_state = _RelayState(
+        step=step, ring=ring, generations=state.generations, to_release=released
+    )
     key = ("relay.consume", config, oldest.rows, filtered_rows, skips, scatter)
     return Step(new_state, KeyedEffects(effects, key), outputs)
 
@@ -904,7 +939,7 @@ def consume_previous_step(
 
 
 def _check_int64_2d(call: str, name: str, spec: TensorSpec) -> tuple[int, int]:
-    if type(spec) is not TensorSpec or spec.dtype is not DType.INT64 or len(spec.shape) != 2:
+    if type(spec) is not TensorSpec or spec.dtype is not _INT64 or len(spec.shape) != 2:
         raise InvalidInputError(
             call, f"{name} is {spec!r}", f"pass {name} as a 2-D int64 tensor's TensorSpec"
         )
@@ -940,7 +975,7 @@ def check_sampled_tokens(
     if type(sampled) is TensorSpec:
         shape = sampled.shape
         if (
-            sampled.dtype is DType.INT64
+            sampled.dtype is _INT64
             and len(shape) == 2
             and shape[0] == rows
             and 1 <= shape[1] <= config.max_sample_len
@@ -1001,7 +1036,7 @@ def broadcast_sampled(
     # read (the caller's token width is an input layout, guarded by plans, not structure).
     n = batch.num_reqs
     effects = KeyedEffects(effects, ("relay.send", config, config.wire_rows(n), n == 0))
-    new_state = RelayState(
+    new_state = _RelayState(
         step=state.step,
         ring=state.ring,
         generations=state.generations,
@@ -1014,8 +1049,8 @@ def _before_send(config: RelayConfig, step: int, op: Op) -> list[Effect]:
     effects: list[Effect] = []
     if config.platform is not Platform.CUDA:
         # The seed's XPU path drains main on the host before it queues the broadcasts.
-        effects.append(Synchronize(step=step, op=op, stream=Stream.MAIN))
-    effects.append(WaitStream(step=step, op=op, stream=Stream.RELAY, waits_for=Stream.MAIN))
+        effects.append(_Synchronize(step=step, op=op, stream=_MAIN))
+    effects.append(_WaitStream(step=step, op=op, stream=_RELAY, waits_for=_MAIN))
     return effects
 
 
@@ -1025,7 +1060,7 @@ def _send_seed(
     step = state.step
     op = Op.BROADCAST
     n = batch.num_reqs
-    relay = Stream.RELAY
+    relay = _RELAY
     inputs = config.inputs
     send_tokens, send_counts = _names(config, step, "send_sampled_tokens", "send_counts")
     sampled_shape = (n, config.max_sample_len)
@@ -1033,16 +1068,16 @@ def _send_seed(
     sent: tuple[BufferRef, ...] = ()
     if config.validate_header:
         # First on the wire, so receivers check step and n before any n-shaped receive.
-        sent = (BufferRef(f"{config.name}.step{step}.send_header"),)
+        sent = tuple(_names(config, step, "send_header"))
         effects += [
-            CopyHostToDevice(
+            _CopyHostToDevice(
                 step=step, op=op, source=relay_header(step, n), buffer=sent[0], stream=relay
             ),
-            _broadcast(config, step, op, sent[0], HEADER_SHAPE, DType.INT32),
+            _broadcast(config, step, op, sent[0], HEADER_SHAPE, _INT32),
         ]
     effects += [
         # Send buffers are fresh snapshots: the caller may reuse its tensors at once.
-        PadColumns(
+        _PadColumns(
             step=step,
             op=op,
             source=inputs.sampled_tokens,
@@ -1051,18 +1086,18 @@ def _send_seed(
             fill=0,
             stream=relay,
         ),
-        _broadcast(config, step, op, send_tokens, sampled_shape, DType.INT64),
-        StackRows(
+        _broadcast(config, step, op, send_tokens, sampled_shape, _INT64),
+        _StackRows(
             step=step,
             op=op,
             sources=(inputs.num_sampled, inputs.num_rejected),
             out=send_counts,
             stream=relay,
         ),
-        _broadcast(config, step, op, send_counts, (2, n), DType.INT32),
+        _broadcast(config, step, op, send_counts, (2, n), _INT32),
         # The caller's tensors were made on main and are read on the relay stream.
         *(
-            RecordStream(step=step, op=op, buffer=b, stream=relay)
+            _RecordStream(step=step, op=op, buffer=b, stream=relay)
             for b in (inputs.sampled_tokens, inputs.num_sampled, inputs.num_rejected)
         ),
     ]
@@ -1078,20 +1113,20 @@ def _send_packed(
     rows = config.wire_rows(n)
     spec = config.num_speculative_steps
     layout = _packed_layout(rows, spec, config.validate_header)
-    relay = Stream.RELAY
+    relay = _RELAY
     inputs = config.inputs
     (wire,) = _names(config, step, "send_wire")
     effects = _before_send(config, step, op)
     sections: list[Section] = []
     made: list[BufferRef] = [wire]
     if config.validate_header:
-        header = BufferRef(f"{config.name}.step{step}.send_header")
+        (header,) = _names(config, step, "send_header")
         effects.append(
-            CopyHostToDevice(
+            _CopyHostToDevice(
                 step=step, op=op, source=relay_header(step, n), buffer=header, stream=relay
             )
         )
-        sections.append(Section(buffer=header, offset=0, shape=HEADER_SHAPE, dtype=DType.INT32))
+        sections.append(_Section(buffer=header, offset=0, shape=HEADER_SHAPE, dtype=_INT32))
         made.append(header)
     if n == 0:
         # An empty batch (the fixed wire still sends): the zeroed wire carries nothing
@@ -1102,9 +1137,9 @@ def _send_packed(
     sections += _input_sections(config, rows)
     read = [inputs.sampled_tokens, inputs.num_sampled, inputs.num_rejected]
     if spec:
-        gathered = BufferRef(f"{config.name}.step{step}.send_draft_tokens")
+        (gathered,) = _names(config, step, "send_draft_tokens")
         effects.append(
-            GatherRows(
+            _GatherRows(
                 step=step,
                 op=op,
                 source=inputs.draft_table,
@@ -1114,7 +1149,7 @@ def _send_packed(
             )
         )
         sections.append(
-            Section(buffer=gathered, offset=layout.drafts, shape=(rows, spec), dtype=DType.INT64)
+            _Section(buffer=gathered, offset=layout.drafts, shape=(rows, spec), dtype=_INT64)
         )
         made.append(gathered)
         read += [inputs.idx_mapping, inputs.draft_table]
@@ -1129,17 +1164,15 @@ def _input_sections(config: RelayConfig, rows: int) -> tuple[Section, ...]:
     layout = _packed_layout(rows, config.num_speculative_steps, config.validate_header)
     inputs = config.inputs
     return (
-        Section(
+        _Section(
             buffer=inputs.sampled_tokens,
             offset=layout.tokens,
             shape=(rows, config.max_sample_len),
-            dtype=DType.INT64,
+            dtype=_INT64,
         ),
-        Section(
-            buffer=inputs.num_sampled, offset=layout.num_sampled, shape=(rows,), dtype=DType.INT32
-        ),
-        Section(
-            buffer=inputs.num_rejected, offset=layout.num_rejected, shape=(rows,), dtype=DType.INT32
+        _Section(buffer=inputs.num_sampled, offset=layout.num_sampled, shape=(rows,), dtype=_INT32),
+        _Section(
+            buffer=inputs.num_rejected, offset=layout.num_rejected, shape=(rows,), dtype=_INT32
         ),
     )
 
@@ -1156,16 +1189,16 @@ def _packed_broadcast(
 ) -> tuple[Effect, ...]:
     """Pack `sections` into `wire`, broadcast it, and keep the caller's tensors alive."""
     op = Op.BROADCAST
-    relay = Stream.RELAY
+    relay = _RELAY
     words = (layout.nbytes // 8,)
     effects += [
         # A fresh snapshot: the caller may reuse its tensors at once.
-        Pack(
+        _Pack(
             step=step, op=op, sections=tuple(sections), out=wire, nbytes=layout.nbytes, stream=relay
         ),
-        _broadcast(config, step, op, wire, words, DType.INT64),
+        _broadcast(config, step, op, wire, words, _INT64),
         # The caller's tensors were made on main and are read on the relay stream.
-        *(RecordStream(step=step, op=op, buffer=b, stream=relay) for b in read),
+        *(_RecordStream(step=step, op=op, buffer=b, stream=relay) for b in read),
     ]
     return tuple(effects)
 
@@ -1203,13 +1236,13 @@ def broadcast_drafts(
 
     step = state.step
     op = Op.BROADCAST_DRAFTS
-    relay = Stream.RELAY
+    relay = _RELAY
     inputs = config.inputs
-    send_drafts = BufferRef(f"{config.name}.step{step}.send_draft_tokens")
+    (send_drafts,) = _names(config, step, "send_draft_tokens")
     shape = (batch.num_reqs, spec)
     effects: tuple[Effect, ...] = (
-        WaitStream(step=step, op=op, stream=relay, waits_for=Stream.MAIN),
-        GatherRows(
+        _WaitStream(step=step, op=op, stream=relay, waits_for=_MAIN),
+        _GatherRows(
             step=step,
             op=op,
             source=inputs.draft_table,
@@ -1220,12 +1253,12 @@ def broadcast_drafts(
         # Both were made on main and are read on the relay stream. The seed records only
         # the mapping (its draft table lives forever); a caller may bind a fresh table
         # each step, so the table is recorded too, or it could be freed mid-gather.
-        RecordStream(step=step, op=op, buffer=inputs.idx_mapping, stream=relay),
-        RecordStream(step=step, op=op, buffer=inputs.draft_table, stream=relay),
-        _broadcast(config, step, op, send_drafts, shape, DType.INT64),
+        _RecordStream(step=step, op=op, buffer=inputs.idx_mapping, stream=relay),
+        _RecordStream(step=step, op=op, buffer=inputs.draft_table, stream=relay),
+        _broadcast(config, step, op, send_drafts, shape, _INT64),
     )
     effects = KeyedEffects(effects, ("relay.broadcast_drafts", config, batch.num_reqs))
-    new_state = RelayState(
+    new_state = _RelayState(
         step=step,
         ring=state.ring,
         generations=state.generations,
