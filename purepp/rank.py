@@ -47,6 +47,7 @@ import numpy.typing as npt
 from purepp import dp
 from purepp._checks import INT32_MAX, check_instance, check_interpreter
 from purepp._text import a_type
+from purepp._trusted import trusted
 from purepp.batch import BatchFacts
 from purepp.cudagraph import BatchExecutionDescriptor, Dispatcher
 from purepp.effects.arrays import IntArray
@@ -312,6 +313,13 @@ class Sampled(Generic[T]):
     draft_table: T | None = None  # [max_num_reqs, spec] int64 by slot, when speculating
 
 
+# The phases build their values from values they have checked (purepp._trusted).
+_Agreeing = trusted(Agreeing)
+_RankState = trusted(RankState)
+_Begun = trusted(Begun)
+_Agreed = trusted(Agreed)
+
+
 def _expect(call: str, name: str, value: object, kind: type) -> None:
     """The phases' boundary check: each takes only the value the one before returned."""
     check_instance(call, name, value, kind, fix=f"pass the {kind.__name__} it expects")
@@ -440,10 +448,10 @@ def begin(config: RankConfig, state: RankState, steps: RankSteps = REAL_STEPS) -
     _expect("begin", "state", state, RankState)
     _expect_steps("begin", steps)
     if config.is_last_stage:
-        return Begun(relay=state.relay, lanes=state.lanes, consumed=None, agreeing=state.agreeing)
+        return _Begun(relay=state.relay, lanes=state.lanes, consumed=None, agreeing=state.agreeing)
     taken = steps.consume(config.relay, state.relay, update_drafts=config.updates_drafts)
     yield taken.effects
-    return Begun(
+    return _Begun(
         relay=taken.state, lanes=state.lanes, consumed=taken.result, agreeing=state.agreeing
     )
 
@@ -468,10 +476,8 @@ def agree(
     _expect_io("agree", io)
     _expect_steps("agree", steps)
     _check_not_started("agree", begun)
-    begun = attrs.evolve(begun, relay=steps.free(config.relay, begun.relay, freed).state)
-    begun = yield from start_agreement_phase(
-        config, begun, batch, shape, asynchronous=False, steps=steps
-    )
+    begun = _freed(config, begun, freed, steps)
+    begun = yield from _started(config, begun, batch, shape, asynchronous=False, steps=steps)
     return (yield from _settled(config, begun, io, steps))
 
 
@@ -493,6 +499,21 @@ def start_agreement_phase(
     _check_agree("start_agreement_phase", config, ("begun", begun, Begun), batch, shape)
     _expect_steps("start_agreement_phase", steps)
     _check_not_started("start_agreement_phase", begun)
+    return (
+        yield from _started(config, begun, batch, shape, asynchronous=asynchronous, steps=steps)
+    )
+
+
+def _started(
+    config: RankConfig,
+    begun: Begun,
+    batch: BatchFacts,
+    shape: ShapeFacts,
+    *,
+    asynchronous: bool,
+    steps: RankSteps,
+) -> StepPhase[Begun]:
+    """`begun` with its agreement started (the checks are its callers')."""
     lanes, agreeing = yield from _start(
         config,
         begun.lanes,
@@ -502,7 +523,7 @@ def start_agreement_phase(
         asynchronous=asynchronous,
         steps=steps,
     )
-    return attrs.evolve(begun, lanes=lanes, agreeing=agreeing)
+    return _Begun(relay=begun.relay, lanes=lanes, consumed=begun.consumed, agreeing=agreeing)
 
 
 def start_next_agreement(
@@ -532,7 +553,14 @@ def start_next_agreement(
         asynchronous=True,
         steps=steps,
     )
-    return attrs.evolve(agreed, lanes=lanes, ahead=agreeing)
+    return _Agreed(
+        relay=agreed.relay,
+        lanes=lanes,
+        batch=agreed.batch,
+        target=agreed.target,
+        drafter=agreed.drafter,
+        ahead=agreeing,
+    )
 
 
 def _start(
@@ -557,7 +585,7 @@ def _start(
         lanes, config.group, config.dispatcher, facts, step=step, asynchronous=asynchronous
     )
     yield started.effects
-    agreeing = Agreeing(step=step, batch=batch, facts=facts, pending=started.result)
+    agreeing = _Agreeing(step=step, batch=batch, facts=facts, pending=started.result)
     return started.state, agreeing
 
 
@@ -589,8 +617,19 @@ def settle(
             "start this step's agreement first (start_agreement_phase, or "
             "start_next_agreement during the step before)",
         )
-    begun = attrs.evolve(begun, relay=steps.free(config.relay, begun.relay, freed).state)
+    begun = _freed(config, begun, freed, steps)
     return (yield from _settled(config, begun, io, steps))
+
+
+def _freed(
+    config: RankConfig,
+    begun: Begun,
+    freed: Sequence[int] | npt.NDArray[np.integer],
+    steps: RankSteps,
+) -> Begun:
+    """`begun` with `freed` slots freed in its relay."""
+    relay = steps.free(config.relay, begun.relay, freed).state
+    return _Begun(relay=relay, lanes=begun.lanes, consumed=begun.consumed, agreeing=begun.agreeing)
 
 
 def _settled(
@@ -619,8 +658,13 @@ def _settled(
         )
         yield started.effects
         lanes, drafter = yield from _complete(started.state, started.result, io)
-    return Agreed(
-        relay=begun.relay, lanes=lanes, batch=agreeing.batch, target=target, drafter=drafter
+    return _Agreed(
+        relay=begun.relay,
+        lanes=lanes,
+        batch=agreeing.batch,
+        target=target,
+        drafter=drafter,
+        ahead=None,
     )
 
 
@@ -690,7 +734,7 @@ def finish(
         )
     ended = steps.end_step(relay_config, relay)
     yield ended.effects
-    return RankState(relay=ended.state, lanes=agreed.lanes, agreeing=agreed.ahead)
+    return _RankState(relay=ended.state, lanes=agreed.lanes, agreeing=agreed.ahead)
 
 
 _NO_ROWS = TensorSpec(shape=(0, 1), dtype=DType.INT64)  # an empty batch's sampled tokens

@@ -21,9 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import purepp.dp
+import purepp.rank
 import purepp.relay
 from purepp._trusted import trusted
 from purepp.dp import AgreementGroup, AgreementLanes, finish_agreement, start_agreement
+from purepp.effects.io import NumpyIO
+from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.vocabulary import (
     Broadcast,
     BufferRef,
@@ -33,7 +36,16 @@ from purepp.effects.vocabulary import (
     Op,
     Stream,
 )
-from purepp.relay import RelayConfig, consume_previous_step, end_step, init_relay, receive
+from purepp.rank import RankDriver, Sampled, ShapeFacts, init_rank
+from purepp.relay import (
+    RelayConfig,
+    Wire,
+    consume_previous_step,
+    end_step,
+    init_relay,
+    receive,
+)
+from purepp.testing import ScheduleConfig, make_schedule, rank_config
 from tests.strategies import DPWorld, batch_schedules, dp_worlds
 from tests.test_keyed_effects import relay_pairs, sender_batches
 
@@ -41,7 +53,7 @@ from tests.test_keyed_effects import relay_pairs, sender_batches
 def _trusted_classes() -> set[type]:
     """Every class a purepp module builds with a trusted constructor."""
     found = set()
-    for module in (purepp.relay, purepp.dp):
+    for module in (purepp.relay, purepp.dp, purepp.rank):
         for value in vars(module).values():
             if isinstance(value, types.FunctionType) and value.__code__.co_filename.startswith(
                 "<purepp.trusted "
@@ -85,6 +97,7 @@ def test_the_library_builds_effects_and_states_with_trusted_constructors() -> No
     names = {cls.__name__ for cls in TRUSTED}
     assert {"Broadcast", "Allocate", "Release", "RelayState", "PendingReceive"} <= names
     assert {"AllReduce", "PendingAgreement", "DPSyncState", "DispatchOutcome"} <= names
+    assert {"Begun", "Agreed", "RankState", "Agreeing"} <= names
 
 
 @settings(max_examples=60, deadline=None)
@@ -123,6 +136,51 @@ def test_every_agreement_value_is_what_its_class_would_build(world: DPWorld) -> 
     for s in started:
         reduced = None if s.result.decided is not None else table
         checked += _rebuilt_equal(finish_agreement(s.state, s.result, reduced))
+    assert checked > 0
+
+
+@pytest.mark.parametrize("wire", list(Wire))
+@pytest.mark.parametrize("overlap", [False, True])
+def test_every_rank_phase_value_is_what_its_class_would_build(wire: Wire, overlap: bool) -> None:
+    """One stage relaying to itself (both roles), agreeing at once or one step ahead."""
+    schedule = make_schedule(ScheduleConfig(pp=1, dp=1, spec=2, steps=10, seed=4, wire=wire))
+    interpreter = NumpyInterpreter()
+    io = NumpyIO(interpreter)
+    driver = RankDriver(rank_config(schedule, 0), interpreter, io)
+    spec, slots = schedule.config.spec, schedule.config.max_num_reqs
+    io.bind(driver.config.relay.inputs.draft_table, np.zeros((slots, spec), np.int64))
+    state = init_rank(driver.config)
+    checked = _rebuilt_equal(state)
+
+    def shape_at(step: int) -> ShapeFacts:
+        planned = schedule.at(step, 0)
+        return ShapeFacts(
+            num_tokens=planned.num_tokens, uniform_token_count=planned.uniform_token_count
+        )
+
+    for step in range(schedule.config.steps):
+        planned = schedule.at(step, 0)
+        begun = driver.begin(state)
+        if not overlap:
+            agreed = driver.agree(begun, planned.batch, shape_at(step), freed=planned.freed)
+        else:
+            if begun.agreeing is None:
+                begun = driver.start(begun, planned.batch, shape_at(step))
+            checked += _rebuilt_equal(begun)
+            agreed = driver.settle(begun, freed=planned.freed)
+            if step + 1 < schedule.config.steps:
+                ahead = schedule.at(step + 1, 0).batch
+                agreed = driver.start_next(agreed, ahead, shape_at(step + 1))
+        drafts = np.zeros((slots, spec), np.int64)
+        drafts[planned.batch.idx_mapping] = planned.drafts
+        sampled = Sampled(
+            tokens=np.array(planned.sampled_tokens),
+            num_sampled=np.array(planned.num_sampled),
+            num_rejected=np.array(planned.num_rejected),
+            draft_table=drafts,
+        )
+        state = driver.finish(agreed, sampled)
+        checked += sum(_rebuilt_equal(value) for value in (begun, agreed, state))
     assert checked > 0
 
 
