@@ -11,6 +11,10 @@ pure steps are held to. The effects column counts what each call returns; every 
 is a frozen value built per call, and this table is where to look before optimising a
 step.
 
+The last row of each case is the whole step through the rank step's phases (`purepp.rank`:
+begin, agree with dp 1, finish; no free), as a `RankDriver` embedder pays it, with an I/O
+seam that only records shapes and no interpreter.
+
 `--no-effects` measures a bound instead of the library: every effect (and section)
 constructor the relay calls is replaced by a no-op that still takes its keyword
 arguments, which is about what steps that handed back bindings instead of effects would
@@ -24,8 +28,10 @@ from __future__ import annotations
 import argparse
 import typing
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from benchmarks.relay_floor import timed
@@ -33,7 +39,20 @@ from benchmarks.relay_host_cost import FREE_EVERY, Case, build_inputs, seed_runn
 from benchmarks.seed_relay import SeedRelay, noop_calls, placeholder
 from purepp import relay
 from purepp.batch import BatchFacts
-from purepp.effects.vocabulary import DType, Effect, Section, TensorSpec
+from purepp.cudagraph import CaptureMode, CudaGraphDispatcher
+from purepp.effects.arrays import IntArray
+from purepp.effects.vocabulary import BufferRef, DType, Effect, Section, TensorSpec
+from purepp.rank import (
+    RankConfig,
+    RankState,
+    Sampled,
+    ShapeFacts,
+    StepPhase,
+    agree,
+    begin,
+    finish,
+    init_rank,
+)
 from purepp.relay import (
     RelayConfig,
     Wire,
@@ -48,6 +67,7 @@ from purepp.relay import (
 )
 from purepp.step import Step
 
+T = TypeVar("T")
 SLOTS = 256
 WIRES = (Wire.SEED, Wire.PACKED, Wire.FIXED)
 FREE = "free_request_slots (1 slot)"  # runs one step in FREE_EVERY: weighted so in the sum
@@ -66,10 +86,16 @@ def build_no_effects() -> None:
     def no_op(**fields: object) -> object:
         return placeholder_effect
 
-    # Every effect kind of the vocabulary, and the sections of Pack and Unpack.
+    # The relay's trusted constructor of every effect kind, and of Pack's and Unpack's
+    # sections (`_Broadcast` for Broadcast: purepp._trusted).
+    replaced = 0
     for cls in (*typing.get_args(Effect), Section):
-        if hasattr(relay, cls.__name__):
-            setattr(relay, cls.__name__, no_op)
+        name = f"_{cls.__name__}"
+        if hasattr(relay, name):
+            setattr(relay, name, no_op)
+            replaced += 1
+    if replaced < 10:  # the relay builds its effects some other way: this bound is void
+        raise SystemExit(f"--no-effects replaced only {replaced} effect constructors")
     relay._input_sections.cache_clear()
 
 
@@ -153,6 +179,77 @@ def step_calls(
     return calls
 
 
+class _ShapesIO:
+    """A `StepIO` for timing the phases alone: it keeps the shapes of what it is given."""
+
+    def __init__(self) -> None:
+        self.specs: dict[BufferRef, TensorSpec] = {}
+
+    def bind(self, ref: BufferRef, value: npt.NDArray[np.int64] | npt.NDArray[np.int32]) -> None:
+        dtype = DType.INT64 if value.dtype == np.int64 else DType.INT32
+        self.specs[ref] = TensorSpec(shape=tuple(value.shape), dtype=dtype)
+
+    def spec(self, ref: BufferRef) -> TensorSpec:
+        return self.specs[ref]
+
+    def upload(self, values: IntArray) -> npt.NDArray[np.int32]:
+        return values
+
+    def host_table(self, ref: BufferRef) -> IntArray:
+        raise AssertionError("with dp 1 the agreement decides at once: no table")
+
+
+def _drained(phase: StepPhase[T]) -> T:
+    """Run a phase to its end, dropping the effects it yields (no interpreter)."""
+    while True:
+        try:
+            next(phase)
+        except StopIteration as stop:
+            result: T = stop.value
+            return result
+
+
+def rank_step_call(sender: bool, spec: int, wire: Wire, rows: int) -> Callable[[], object]:
+    """One steady step through the rank step's phases, repeatable on the same state."""
+    config = RankConfig(
+        relay=relay_config(sender=sender, spec=spec, wire=wire),
+        dispatcher=CudaGraphDispatcher(
+            capture_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            capture_mode=CaptureMode.FULL_AND_PIECEWISE,
+            max_num_reqs=SLOTS,
+            num_speculative_tokens=spec,
+        ),
+    )
+    slots = np.random.default_rng(rows).permutation(SLOTS)[:rows].astype(np.int32)
+    batch = BatchFacts(
+        idx_mapping=slots,
+        num_computed_tokens=np.full(rows, 10, dtype=np.int32),
+        num_scheduled_tokens=np.full(rows, 1 + spec, dtype=np.int32),
+        prefill_len=np.full(rows, 4, dtype=np.int32),
+    )
+    shape = ShapeFacts(num_tokens=rows * (1 + spec), uniform_token_count=1 + spec)
+    io = _ShapesIO()
+    io.bind(config.relay.inputs.draft_table, np.zeros((SLOTS, spec), dtype=np.int64))
+    sampled = Sampled(
+        tokens=np.zeros((rows, spec + 1), dtype=np.int64),
+        num_sampled=np.ones(rows, dtype=np.int32),
+        num_rejected=np.zeros(rows, dtype=np.int32),
+        draft_table=np.zeros((SLOTS, spec), dtype=np.int64) if spec else None,
+    )
+    given = sampled if sender else None
+
+    def step(state: RankState) -> RankState:
+        begun = _drained(begin(config, state))
+        agreed = _drained(agree(config, begun, batch, shape, io))
+        return _drained(finish(config, agreed, io, given))
+
+    state = init_rank(config)
+    for _ in range(config.relay.ring_depth):  # a full ring: every consume hands rows out
+        state = step(state)
+    steady = state
+    return lambda: step(steady)
+
+
 def seed_noop_step(sender: bool, spec: int, rows: int) -> Callable[[], None]:
     """One step of the seed's logic with every device call a no-op (as relay_host_cost)."""
     case = Case(role="sender" if sender else "receiver", rows=rows, spec=spec)
@@ -206,6 +303,10 @@ def main() -> None:
                     print(f"| {role} | {spec} | {wire.value} | {name} | {micros:.2f} | {effects} |")
                 step = f"**step (a free 1 in {FREE_EVERY})** | **{total:.2f}**"
                 print(f"| {role} | {spec} | {wire.value} | {step} | |")
+                phases = rank_step_call(sender, spec, wire, args.rows)
+                micros = timed(phases, args.calls, args.rounds, _no_sync)
+                rank_step = "rank step: begin, agree (dp 1), finish; no free"
+                print(f"| {role} | {spec} | {wire.value} | {rank_step} | {micros:.2f} | |")
             noop = timed(seed_noop_step(sender, spec, args.rows), args.calls, args.rounds, _no_sync)
             print(f"| {role} | {spec} | | seed_noop: the seed's whole step | {noop:.2f} | |")
 
