@@ -430,7 +430,12 @@ def _expect_steps(call: str, steps: object) -> None:
 
 
 def _expect_io(call: str, io: object) -> None:
-    if not all(callable(getattr(io, m, None)) for m in ("bind", "spec", "upload", "host_table")):
+    if not (
+        callable(getattr(io, "bind", None))
+        and callable(getattr(io, "spec", None))
+        and callable(getattr(io, "upload", None))
+        and callable(getattr(io, "host_table", None))
+    ):
         raise InvalidInputError(
             call, f"io is {a_type(io)}", "pass a StepIO (e.g. NumpyIO or TorchIO)"
         )
@@ -628,6 +633,8 @@ def _freed(
     steps: RankSteps,
 ) -> Begun:
     """`begun` with `freed` slots freed in its relay."""
+    if type(freed) is tuple and not freed:  # the default, and most steps: nothing to free
+        return begun
     relay = steps.free(config.relay, begun.relay, freed).state
     return _Begun(relay=relay, lanes=begun.lanes, consumed=begun.consumed, agreeing=begun.agreeing)
 
