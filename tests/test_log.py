@@ -499,6 +499,27 @@ def test_a_bad_log_is_rejected_naming_file_and_line(tmp_path: Path, name: str) -
     caught.match(problem)
 
 
+def test_a_bad_log_names_the_call_that_read_it(tmp_path: Path) -> None:
+    mutate, line, _ = BAD_LOGS[next(iter(BAD_LOGS))]
+    path = write_lines(tmp_path / "rank-0001.jsonl", mutate(sample_lines(tmp_path)))
+    readers: dict[str, Callable[[], object]] = {
+        "load_log": lambda: load_log(path),
+        "load_logs": lambda: load_logs(tmp_path),
+        "LogStream": lambda: tuple(LogStream(path)),
+        "my_reader": lambda: tuple(LogStream(path, call="my_reader")),
+    }
+    for call, read in readers.items():
+        with pytest.raises(LogFormatError) as caught:
+            read()
+        assert caught.value.call == call
+        assert caught.value.problem.startswith(f"{path} line {line}: ")
+    report = check_logs(tmp_path)  # a report, never raised
+    assert report.exit_code == 2
+    assert report.text.startswith(f"purepp check: {path} line {line}: ")
+    with pytest.raises(InvalidInputError, match="LogStream: call is an int"):
+        LogStream(path, call=3)  # type: ignore[arg-type]
+
+
 def test_the_sample_log_itself_loads(tmp_path: Path) -> None:
     # The mutations above start from a valid file: a failure there is the mutation's.
     path = write_lines(tmp_path / "rank.jsonl", sample_lines(tmp_path))
@@ -1330,7 +1351,9 @@ def test_a_scan_rejects_what_loading_rejects(
     loading = edit_a_late_line(path, old, new, problem)
     with pytest.raises(LogFormatError) as scanning:
         scan_all(path)
-    assert str(scanning.value) == str(loading)
+    # The same problem and fix; each names the call its caller made.
+    assert (scanning.value.problem, scanning.value.fix) == (loading.problem, loading.fix)
+    assert (scanning.value.call, loading.call) == ("LogStream", "load_log")
 
 
 def local_steps(steps: int) -> EffectLog:
@@ -1368,7 +1391,7 @@ def test_a_scan_rejects_in_records_it_does_not_build_what_loading_rejects(
     loading = edit_a_late_line(path, old, new, problem)
     never_built = frozenset({"allocate", "copy_host_to_device", "release"})
     with pytest.raises(LogFormatError) as scanning:
-        list(LogStream(path).scan(never_built))
+        list(LogStream(path, call="load_log").scan(never_built))
     assert str(scanning.value) == str(loading)
 
 

@@ -228,7 +228,7 @@ class _Check:
         try:
             for path in log_paths(self._directory):
                 try:
-                    streams.append(LogStream(path, allow_cut_end=True))
+                    streams.append(LogStream(path, allow_cut_end=True, call=_CALL))
                 except LogFormatError:
                     # Only the start of a header: the rank died writing its first line, so
                     # it recorded nothing, as a rank with no log. Anything else is corrupt.

@@ -657,7 +657,8 @@ class LogStream:
     and `cut_line` then holds its line number; corruption anywhere else still raises.
     Iterate (or `scan`) once; the file is closed when the records end or on `close()`.
     Iterating builds every record as `scan` does, through the templates of lines
-    already validated in full.
+    already validated in full. Errors name `call`: a function that reads logs through a
+    LogStream passes its own name, so its caller reads the call they made.
     """
 
     def __init__(
@@ -666,10 +667,16 @@ class LogStream:
         *,
         expect_world: Layout | None = None,
         allow_cut_end: bool = False,
+        call: str = "LogStream",
     ) -> None:
-        self.path = as_path("load_log", "path", path)
-        check_world("load_log", expect_world)
-        self._allow_cut_end = check_bool("LogStream", "allow_cut_end", allow_cut_end)
+        if type(call) is not str:
+            raise InvalidInputError(
+                "LogStream", f"call is {a_type(call)}", "pass the name errors give, a str"
+            )
+        self._call = call
+        self.path = as_path(call, "path", path)
+        check_world(call, expect_world)
+        self._allow_cut_end = check_bool(call, "allow_cut_end", allow_cut_end)
         self.cut_line: int | None = None  # line number of a cut last line, once reached
         self.lines_read = 0  # lines consumed so far, the header included
         try:
@@ -855,7 +862,7 @@ class LogStream:
 
     def _fail(self, line: int | None, problem: str, fix: str = _REWRITE) -> LogFormatError:
         where = str(self.path) if line is None else f"{self.path} line {line}"
-        return LogFormatError("load_log", f"{where}: {problem}", fix)
+        return LogFormatError(self._call, f"{where}: {problem}", fix)
 
     def _header_line(self) -> bytes | None:
         """The first line (without its newline); None for an empty file."""
@@ -974,7 +981,17 @@ def load_log(
     writing) ends the records instead of raising, as `purepp check` reads it.
     """
     allow_cut_end = check_bool("load_log", "allow_cut_end", allow_cut_end)
-    stream = LogStream(path, expect_world=expect_world, allow_cut_end=allow_cut_end)
+    return _read_log("load_log", path, expect_world=expect_world, allow_cut_end=allow_cut_end)
+
+
+def _read_log(
+    call: str,
+    path: str | os.PathLike[str],
+    *,
+    expect_world: Layout | None,
+    allow_cut_end: bool,
+) -> EffectLog:
+    stream = LogStream(path, expect_world=expect_world, allow_cut_end=allow_cut_end, call=call)
     return EffectLog(stream.header, tuple(stream))
 
 
@@ -1242,7 +1259,10 @@ def load_logs(
     check_world("load_logs", expect_world)
     allow_cut_end = check_bool("load_logs", "allow_cut_end", allow_cut_end)
     logs = [
-        (path, load_log(path, expect_world=expect_world, allow_cut_end=allow_cut_end))
+        (
+            path,
+            _read_log("load_logs", path, expect_world=expect_world, allow_cut_end=allow_cut_end),
+        )
         for path in log_paths(directory)
     ]
     check_same_run(directory, [(path, log.header) for path, log in logs])
