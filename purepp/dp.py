@@ -695,7 +695,7 @@ def start_agreement(
     elif batch.dp_sync is not None:
         decided = _reuse(batch.dp_sync, desired, batch.num_tokens)
     if decided is not None:
-        pending = _pending(
+        pending = _PendingAgreement(
             step=step,
             lane=lane,
             group=group,
@@ -703,6 +703,11 @@ def start_agreement(
             dispatcher=dispatcher,
             desired=desired,
             decided=decided,
+            table=None,
+            work=None,
+            contribution=None,
+            own=(),
+            release=(),
         )
         return Step(busy, (), pending)
     own = _column(group, batch, desired)
@@ -713,7 +718,7 @@ def start_agreement(
     prefix = f"dp.{lane.value}.step{step}"
     table_ref = BufferRef(f"{prefix}.table")
     work = WorkRef(f"{prefix}.work") if asynchronous else None
-    pending = _pending(
+    pending = _PendingAgreement(
         step=step,
         lane=lane,
         group=group,
@@ -748,38 +753,6 @@ def _contribution_packer(rows: int, dp_size: int, dp_rank: int) -> struct.Struct
     """
     row = f"{dp_rank * 4}xi{(dp_size - dp_rank - 1) * 4}x"
     return struct.Struct("=" + row * rows)
-
-
-def _pending(
-    *,
-    step: int,
-    lane: Lane,
-    group: AgreementGroup,
-    batch: RankBatch,
-    dispatcher: Dispatcher | None,
-    desired: BatchExecutionDescriptor,
-    decided: DispatchOutcome | None,
-    table: BufferRef | None = None,
-    work: WorkRef | None = None,
-    contribution: IntArray | None = None,
-    own: tuple[int, ...] = (),
-    release: tuple[Effect, ...] = (),
-) -> PendingAgreement:
-    """A PendingAgreement from checked values. The defaults are a start decided at once."""
-    return _PendingAgreement(
-        step=step,
-        lane=lane,
-        group=group,
-        batch=batch,
-        dispatcher=dispatcher,
-        desired=desired,
-        decided=decided,
-        table=table,
-        work=work,
-        contribution=contribution,
-        own=own,
-        release=release,
-    )
 
 
 def _release(step: int, buffer: BufferRef) -> Release:
