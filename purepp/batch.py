@@ -52,13 +52,16 @@ def _int32_rows(given: tuple[npt.ArrayLike, ...]) -> IntArray:
                 raise _out_of_range(name, array)
             array = array.astype(np.int32)
         arrays.append(array)
-    joined = np.concatenate(arrays)  # a fresh copy; np.stack costs 3x as much
+    # One immutable copy of the four, from their bytes (np.concatenate then a copy to
+    # bytes costs half as much again; np.stack three times).
+    out: IntArray = np.frombuffer(
+        b"".join([array.tobytes() for array in arrays]), dtype=np.int32
+    ).reshape(4, rows)
     # int32 values cannot exceed the int32 range: only a negative value is left to find.
     # argmin is a C method; min() goes through numpy's Python reduction wrapper (1.5 µs).
-    if rows and joined[joined.argmin()] < 0:
-        first = int(np.flatnonzero(joined < 0)[0]) // rows
+    if rows and out.reshape(-1)[out.argmin()] < 0:
+        first = int(np.flatnonzero(out.reshape(-1) < 0)[0]) // rows
         raise _out_of_range(_FIELDS[first], arrays[first])
-    out: IntArray = np.frombuffer(joined.tobytes(), dtype=np.int32).reshape(4, rows)
     return out
 
 
@@ -102,7 +105,8 @@ class BatchFacts:
         prefill_len: npt.ArrayLike,
     ) -> None:
         block = _int32_rows((idx_mapping, num_computed_tokens, num_scheduled_tokens, prefill_len))
-        slots, computed, scheduled, prefill = block  # row views of one immutable block
+        # Row views of one immutable block (indexing: a third of unpacking's cost).
+        slots, computed, scheduled, prefill = block[0], block[1], block[2], block[3]
         rows = slots.shape[0]
         ordered = slots.copy()
         ordered.sort()
