@@ -32,7 +32,8 @@ def trusted(cls: type[T]) -> type[T]:
 
     Only call it (typed as `type[T]` so that mypy checks every call against the class's
     own signature); it is no class. `cls` must be a slotted attrs class whose slots are
-    its fields (no `cache_hash`), and whose defaults are plain values.
+    its fields (no `cache_hash`), each set by its `__init__` (no `init=False`) and
+    defaulting, if at all, to a plain value; any other is a TypeError here.
     """
     fields = attrs.fields(cls)
     slots = {
@@ -49,6 +50,8 @@ def trusted(cls: type[T]) -> type[T]:
         descriptor = next(k.__dict__[field.name] for k in cls.__mro__ if field.name in k.__dict__)
         if type(descriptor) is not types.MemberDescriptorType:
             raise TypeError(f"trusted({cls.__name__}): field {field.name} is not a slot")
+        if not field.init:  # set by the class's own __attrs_post_init__, which this skips
+            raise TypeError(f"trusted({cls.__name__}): field {field.name} has init=False")
         scope[f"set{index}"] = descriptor.__set__
         if field.default is attrs.NOTHING:
             params.append(field.alias)

@@ -170,7 +170,8 @@ class RankSteps:
     """The pure steps the rank step calls. A research runner (or a test reproducing a
     field failure) swaps one for its own; the order they are called in stays this module's.
     Each field is typed with the real step's signature, so a replacement of another
-    shape is a type error, not a `TypeError` mid-step."""
+    shape is a type error, not a `TypeError` mid-step. `free` is called only for a step
+    that frees slots (a `freed` other than the empty tuple)."""
 
     consume: ConsumeStep = consume_previous_step
     free: Callable[

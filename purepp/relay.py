@@ -138,7 +138,7 @@ _WaitStream = trusted(WaitStream)
 _MAIN, _RELAY = Stream.MAIN, Stream.RELAY
 _INT32, _INT64 = DType.INT32, DType.INT64
 _PP_RELAY = Communicator.PP_RELAY
-_new_str = str.__new__
+_new_str = str.__new__  # `_names` makes BufferRefs of its own strs: no caller's type to check
 
 
 class Platform(enum.Enum):
@@ -607,7 +607,7 @@ def _broadcast(  # noqa: PLR0917  # the wire contract's fields, in their order
 def _names(config: RelayConfig, step: int, *what: str) -> list[BufferRef]:
     """This step's buffer names, `{config.name}.step{step}.{what}`, for each `what`."""
     prefix = f"{config.name}.step{step}."
-    return [_new_str(BufferRef, prefix + w) for w in what]  # a str: skip BufferRef's check
+    return [_new_str(BufferRef, prefix + w) for w in what]
 
 
 # ---- receive ------------------------------------------------------------------------------

@@ -234,6 +234,12 @@ class _NoSlots:
     a: int
 
 
+@attrs.frozen
+class _Derived:
+    a: int
+    b: int = attrs.field(init=False)
+
+
 @pytest.mark.parametrize(
     ("cls", "why"),
     [
@@ -241,6 +247,7 @@ class _NoSlots:
         (_NoSlots, "slotted"),
         (_WithFactory, "factory default"),
         (_Mixed, "mixes keyword-only"),
+        (_Derived, "init=False"),
     ],
 )
 def test_a_class_a_trusted_constructor_cannot_build_alike_is_refused(cls: type, why: str) -> None:
