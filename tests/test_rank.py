@@ -484,3 +484,22 @@ def test_a_step_run_twice_is_named_as_such_by_the_buffer_it_binds_again() -> Non
     assert "if a step ran twice, pass begin (or a relay step) the state the last finish" in str(
         caught.value
     )
+
+
+@pytest.mark.parametrize("missing", ["bind", "spec", "upload", "host_table"])
+def test_an_io_lacking_any_one_of_its_four_methods_is_refused_naming_the_call(
+    missing: str,
+) -> None:
+    interpreter = NumpyInterpreter()
+    complete = NumpyIO(interpreter)
+
+    class Partial:
+        """A StepIO but for `missing`."""
+
+    partial = Partial()
+    for method in ("bind", "spec", "upload", "host_table"):
+        if method != missing:
+            setattr(partial, method, getattr(complete, method))
+    schedule = make_schedule(one_rank(Wire.SEED, 0))
+    with pytest.raises(InvalidInputError, match="RankDriver: io is a Partial"):
+        RankDriver(rank_config(schedule, 0), interpreter, partial)  # type: ignore[arg-type]
