@@ -539,6 +539,15 @@ def test_finish_refuses_a_last_stage_without_sampled_outputs() -> None:
     agreed = run_phase(agree(LAST, begun, BATCH, SHAPE, io))
     with pytest.raises(PureppError, match="no sampled outputs"):
         run_phase(finish(LAST, agreed, io))
+    # The fixed wire sends every step, so only an empty batch may go without them.
+    fixed_relay = attrs.evolve(
+        LAST.relay, wire=Wire.FIXED, buckets=default_buckets(LAST.relay.max_num_reqs)
+    )
+    fixed = attrs.evolve(LAST, relay=fixed_relay)
+    begun = run_phase(begin(fixed, init_rank(fixed)))
+    agreed = run_phase(agree(fixed, begun, BATCH, SHAPE, io))
+    with pytest.raises(InvalidInputError, match=r"^finish: the last stage passed no sampled"):
+        run_phase(finish(fixed, agreed, io))
     arrays: list[npt.NDArray[Any]] = [np.zeros((2, 1), np.int64), np.ones(2, np.int32)]
     sampled = Sampled(tokens=arrays[0], num_sampled=arrays[1], num_rejected=arrays[1] - 1)
     with pytest.raises(PureppError, match="no draft table"):
