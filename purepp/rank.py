@@ -323,7 +323,8 @@ _Agreed = trusted(Agreed)
 
 def _expect(call: str, name: str, value: object, kind: type) -> None:
     """The phases' boundary check: each takes only the value the one before returned."""
-    check_instance(call, name, value, kind, fix=f"pass the {kind.__name__} it expects")
+    if not isinstance(value, kind):  # the fix's text is built only for the error
+        check_instance(call, name, value, kind, fix=f"pass the {kind.__name__} it expects")
     fields = _FIELDS.get(kind)
     if fields is not None:
         _expect_fields(call, name, value, fields)
