@@ -19,7 +19,7 @@ import numpy as np
 from purepp._checks import check_interpreter
 from purepp._text import a_type
 from purepp.effects.interpreter import Interpreter
-from purepp.effects.logmodel import EffectLog
+from purepp.effects.logmodel import EffectLog, LogRecord
 from purepp.effects.numpy_interpreter import NumpyInterpreter, numpy_dtype
 from purepp.effects.vocabulary import (
     Alias,
@@ -84,24 +84,27 @@ def replay(
         )
     for step, group in itertools.groupby(log.records, key=lambda record: record.effect.step):
         records = tuple(group)
-        # Where in the log this batch is, for the notes below.
-        first, last = records[0].seq, records[-1].seq
-        where = (
-            f"step {step} of rank {log.header.rank}'s log, records #{first} to #{last} "
-            f"(file lines {first + 2} to {last + 2})"
-        )
         if before_step is not None:
             try:
                 before_step(step, interpreter)
             except Exception as error:  # the caller's own: its type kept, its step named
-                error.add_note(f"in replay: before_step, before {where}")
+                error.add_note(f"in replay: before_step, before {_where(log, step, records)}")
                 raise
         try:
             interpreter.perform(tuple(record.effect for record in records))
         except PureppError as error:
             # The interpreter names its own call; say where in the log it was.
-            error.add_note(f"in replay: {where}")
+            error.add_note(f"in replay: {_where(log, step, records)}")
             raise
+
+
+def _where(log: EffectLog, step: int, records: tuple[LogRecord, ...]) -> str:
+    """Where in the log a batch is, for an error's note (built only on an error)."""
+    first, last = records[0].seq, records[-1].seq
+    return (
+        f"step {step} of rank {log.header.rank}'s log, records #{first} to #{last} "
+        f"(file lines {first + 2} to {last + 2})"
+    )
 
 
 # -- placeholder inputs ---------------------------------------------------------------
