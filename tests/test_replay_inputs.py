@@ -74,6 +74,29 @@ class Tag(TypedDict):
     op: Op
 
 
+# -- step 0's effects on the main stream, as the tests below build them ---------------------
+
+
+def host_copy(values: list[int], buffer: BufferRef, op: Op = Op.CONSUME) -> CopyHostToDevice:
+    return CopyHostToDevice(step=0, op=op, source=values, buffer=buffer, stream=Stream.MAIN)
+
+
+def allocated(
+    buffer: BufferRef, shape: tuple[int, ...], dtype: DType = DType.INT32, op: Op = Op.CONSUME
+) -> Allocate:
+    return Allocate(step=0, op=op, buffer=buffer, shape=shape, dtype=dtype, stream=Stream.MAIN)
+
+
+def gathered(
+    index: BufferRef, out: BufferRef, source: BufferRef = TABLE, op: Op = Op.CONSUME
+) -> GatherRows:
+    return GatherRows(step=0, op=op, source=source, index=index, out=out, stream=Stream.MAIN)
+
+
+def stacked(sources: tuple[BufferRef, ...], out: BufferRef, op: Op = Op.CONSUME) -> StackRows:
+    return StackRows(step=0, op=op, sources=sources, out=out, stream=Stream.MAIN)
+
+
 def golden(name: str) -> tuple[EffectLog, ...]:
     return load_logs(GOLDEN_DIR / name, expect_world=GOLDEN_CASES[name].world)
 
@@ -165,14 +188,7 @@ def test_an_alias_ties_an_input_to_what_later_steps_read_of_it() -> None:
     kept, drafts = BufferRef("r0.idx"), BufferRef("r0.drafts")
     effects: list[Effect] = [
         Alias(step=0, op=Op.RECEIVE, source=IDX, out=kept),
-        Allocate(
-            step=0,
-            op=Op.RECEIVE,
-            buffer=drafts,
-            shape=(5, 2),
-            dtype=DType.INT64,
-            stream=Stream.MAIN,
-        ),
+        allocated(drafts, (5, 2), DType.INT64, op=Op.RECEIVE),
         Alias(step=1, op=Op.RECEIVE, source=IDX, out=BufferRef("r1.idx")),
         Release(step=1, op=Op.END_STEP, buffer=BufferRef("r1.idx")),
         ScatterRows(
@@ -202,9 +218,7 @@ def test_an_alias_ties_an_input_to_what_later_steps_read_of_it() -> None:
 def test_a_table_indexed_by_copied_values_gets_rows_past_the_largest() -> None:
     index = BufferRef("s0.slots")
     effects: list[Effect] = [
-        CopyHostToDevice(
-            step=0, op=Op.CONSUME, source=[-1, 6, 2], buffer=index, stream=Stream.MAIN
-        ),
+        host_copy([-1, 6, 2], index),
         Allocate(
             step=0,
             op=Op.CONSUME,
@@ -235,11 +249,7 @@ def received_index_log(*, copied: bool = False) -> EffectLog:
     """
     index = BufferRef("s0.index")
     made: Effect = (
-        CopyHostToDevice(step=0, op=Op.RECEIVE, source=[0, 0], buffer=index, stream=Stream.MAIN)
-        if copied
-        else Allocate(
-            step=0, op=Op.RECEIVE, buffer=index, shape=(2,), dtype=DType.INT32, stream=Stream.MAIN
-        )
+        host_copy([0, 0], index, op=Op.RECEIVE) if copied else allocated(index, (2,), op=Op.RECEIVE)
     )
     effects: list[Effect] = [
         made,
@@ -253,14 +263,7 @@ def received_index_log(*, copied: bool = False) -> EffectLog:
             comm=Communicator.PP_RELAY,
             stream=Stream.MAIN,
         ),
-        GatherRows(
-            step=0,
-            op=Op.CONSUME,
-            source=TABLE,
-            index=index,
-            out=BufferRef("s0.rows"),
-            stream=Stream.MAIN,
-        ),
+        gathered(index, BufferRef("s0.rows")),
     ]
     return EffectLog.from_effects(LogHeader(rank=0, world=Layout(pp=2, dp=1)), effects)
 
@@ -289,13 +292,7 @@ def test_a_shape_the_log_does_not_give_is_a_typed_error_naming_the_buffer(copied
 
 def test_records_that_disagree_on_an_input_are_a_typed_error() -> None:
     effects: list[Effect] = [
-        StackRows(
-            step=0,
-            op=Op.BROADCAST,
-            sources=(NUM_SAMPLED, TOKENS),
-            out=BufferRef("s0.counts"),
-            stream=Stream.MAIN,
-        ),
+        stacked((NUM_SAMPLED, TOKENS), BufferRef("s0.counts"), op=Op.BROADCAST),
         PadColumns(  # tokens are 2-D here, 1-D to StackRows above
             step=0,
             op=Op.BROADCAST,
@@ -355,19 +352,9 @@ def test_a_table_read_by_two_indices_has_rows_past_the_larger() -> None:
     # The first index reaches row 5, the second row 2: the table needs 6 rows.
     wide, narrow = BufferRef("s0.wide"), BufferRef("s0.narrow")
     effects: list[Effect] = [
-        CopyHostToDevice(step=0, op=Op.CONSUME, source=[5], buffer=wide, stream=Stream.MAIN),
-        CopyHostToDevice(step=0, op=Op.CONSUME, source=[2], buffer=narrow, stream=Stream.MAIN),
-        *(
-            GatherRows(
-                step=0,
-                op=Op.CONSUME,
-                source=TABLE,
-                index=index,
-                out=BufferRef(f"s0.rows{n}"),
-                stream=Stream.MAIN,
-            )
-            for n, index in enumerate((wide, narrow))
-        ),
+        host_copy([5], wide),
+        host_copy([2], narrow),
+        *(gathered(index, BufferRef(f"s0.rows{n}")) for n, index in enumerate((wide, narrow))),
     ]
     log = EffectLog.from_effects(HEADER, effects)
     assert placeholder_inputs(log).specs(0) == {TABLE: TensorSpec((6,), DType.INT32)}
@@ -399,13 +386,7 @@ def test_rows_of_unknown_index_stay_unknown_when_tied_to_another_input() -> None
     log = received_index_log()
     effects: list[Effect] = [
         *(record.effect for record in log.records),
-        StackRows(
-            step=0,
-            op=Op.CONSUME,
-            sources=(NUM_SAMPLED, TABLE),
-            out=BufferRef("s0.stacked"),
-            stream=Stream.MAIN,
-        ),
+        stacked((NUM_SAMPLED, TABLE), BufferRef("s0.stacked")),
     ]
     binder = placeholder_inputs(EffectLog.from_effects(log.header, effects))
     with pytest.raises(InputShapeError, match=r"'s0\.index', whose values the log does not hold"):
@@ -416,28 +397,15 @@ def scattered_index_log(*, known: bool) -> EffectLog:
     """A gather from the table by an index a scatter wrote: rows of values the log
     holds (`known`), or of an allocated buffer's, which it does not."""
     slots, index, rows = BufferRef("s0.slots"), BufferRef("s0.index"), BufferRef("s0.rows")
-    source: Effect = (
-        CopyHostToDevice(step=0, op=Op.CONSUME, source=[7], buffer=rows, stream=Stream.MAIN)
-        if known
-        else Allocate(
-            step=0, op=Op.CONSUME, buffer=rows, shape=(1,), dtype=DType.INT32, stream=Stream.MAIN
-        )
-    )
+    source: Effect = host_copy([7], rows) if known else allocated(rows, (1,))
     effects: list[Effect] = [
-        CopyHostToDevice(step=0, op=Op.CONSUME, source=[1], buffer=slots, stream=Stream.MAIN),
-        CopyHostToDevice(step=0, op=Op.CONSUME, source=[0, 0], buffer=index, stream=Stream.MAIN),
+        host_copy([1], slots),
+        host_copy([0, 0], index),
         source,
         ScatterRows(
             step=0, op=Op.CONSUME, source=rows, index=slots, target=index, stream=Stream.MAIN
         ),
-        GatherRows(
-            step=0,
-            op=Op.CONSUME,
-            source=TABLE,
-            index=index,
-            out=BufferRef("s0.drafts"),
-            stream=Stream.MAIN,
-        ),
+        gathered(index, BufferRef("s0.drafts")),
     ]
     return EffectLog.from_effects(HEADER, effects)
 
@@ -457,15 +425,8 @@ def test_an_index_a_scatter_wrote_with_unknown_values_has_unknown_values() -> No
 def test_a_table_indexed_by_no_rows_needs_none() -> None:
     index = BufferRef("s0.none")
     effects: list[Effect] = [
-        CopyHostToDevice(step=0, op=Op.CONSUME, source=[], buffer=index, stream=Stream.MAIN),
-        GatherRows(
-            step=0,
-            op=Op.CONSUME,
-            source=TABLE,
-            index=index,
-            out=BufferRef("s0.rows"),
-            stream=Stream.MAIN,
-        ),
+        host_copy([], index),
+        gathered(index, BufferRef("s0.rows")),
     ]
     log = EffectLog.from_effects(HEADER, effects)
     assert placeholder_inputs(log).specs(0) == {TABLE: TensorSpec((0,), DType.INT32)}
@@ -476,25 +437,10 @@ def test_a_table_of_fewer_rows_than_its_index_reaches_is_a_typed_error() -> None
     # The gather reaches row 3; stacked with a 3-element buffer, the table has 3 rows.
     index, three = BufferRef("s0.index"), BufferRef("s0.three")
     effects: list[Effect] = [
-        CopyHostToDevice(step=0, op=Op.CONSUME, source=[3], buffer=index, stream=Stream.MAIN),
-        Allocate(
-            step=0, op=Op.CONSUME, buffer=three, shape=(3,), dtype=DType.INT32, stream=Stream.MAIN
-        ),
-        GatherRows(
-            step=0,
-            op=Op.CONSUME,
-            source=TABLE,
-            index=index,
-            out=BufferRef("s0.rows"),
-            stream=Stream.MAIN,
-        ),
-        StackRows(
-            step=0,
-            op=Op.CONSUME,
-            sources=(three, TABLE),
-            out=BufferRef("s0.stacked"),
-            stream=Stream.MAIN,
-        ),
+        host_copy([3], index),
+        allocated(three, (3,)),
+        gathered(index, BufferRef("s0.rows")),
+        stacked((three, TABLE), BufferRef("s0.stacked")),
     ]
     binder = placeholder_inputs(EffectLog.from_effects(HEADER, effects))
     with pytest.raises(InputShapeError, match="a dimension of size 3 is indexed up to row 3"):
@@ -528,13 +474,7 @@ def test_an_input_stacked_with_a_wire_is_as_long_as_its_words() -> None:
             nbytes=4 * 8,
             stream=Stream.MAIN,
         ),
-        StackRows(
-            step=0,
-            op=Op.BROADCAST,
-            sources=(wire, TOKENS),
-            out=BufferRef("s0.both"),
-            stream=Stream.MAIN,
-        ),
+        stacked((wire, TOKENS), BufferRef("s0.both"), op=Op.BROADCAST),
     ]
     log = EffectLog.from_effects(HEADER, effects)
     assert placeholder_inputs(log).specs(0)[TOKENS] == TensorSpec((4,), DType.INT64)
@@ -584,16 +524,8 @@ def test_records_that_disagree_on_an_inputs_dimensions_are_a_typed_error() -> No
             nbytes=32,
             stream=Stream.MAIN,
         ),
-        Allocate(
-            step=0, op=Op.BROADCAST, buffer=made, shape=(2,), dtype=DType.INT32, stream=Stream.MAIN
-        ),
-        StackRows(
-            step=0,
-            op=Op.BROADCAST,
-            sources=(made, TOKENS),
-            out=BufferRef("s0.stacked"),
-            stream=Stream.MAIN,
-        ),
+        allocated(made, (2,), op=Op.BROADCAST),
+        stacked((made, TOKENS), BufferRef("s0.stacked"), op=Op.BROADCAST),
     ]
     binder = placeholder_inputs(EffectLog.from_effects(HEADER, effects))
     with pytest.raises(
