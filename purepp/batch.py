@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -16,6 +18,8 @@ __all__ = ["BatchFacts", "need_sampled_mask"]
 
 _FIELDS = ("idx_mapping", "num_computed_tokens", "num_scheduled_tokens", "prefill_len")
 _INT32 = np.dtype(np.int32)
+# The byte of a native int32 that holds its sign bit.
+_SIGN_BYTE = 3 if sys.byteorder == "little" else 0
 
 
 def _int32_rows(given: tuple[npt.ArrayLike, ...]) -> IntArray:
@@ -25,44 +29,58 @@ def _int32_rows(given: tuple[npt.ArrayLike, ...]) -> IntArray:
     and strings are refused, not cast: a float slot would be truncated and a bool mask
     read as slots 0 and 1, both silently naming the wrong request.
     """
-    call = "BatchFacts"
-    arrays = []
-    rows = -1
-    for name, values in zip(_FIELDS, given, strict=True):
-        array = np.asarray(values)
-        if array.size == 0:
-            array = array.astype(np.int32)
-        if array.dtype.kind not in "iu":  # bool is kind "b"
+    arrays: Sequence[Any] = given
+    # Most callers pass 1-D int32 arrays, which need no conversion: only their lengths
+    # are compared. (A dtype equal to int32 but not numpy's own object takes the long way.)
+    for array in given:
+        if type(array) is not np.ndarray or array.dtype is not _INT32 or array.ndim != 1:
+            arrays = [_int32_row(name, values) for name, values in zip(_FIELDS, given, strict=True)]
+            break
+    rows = arrays[0].shape[0]
+    for name, array in zip(_FIELDS[1:], arrays[1:], strict=True):
+        if array.shape[0] != rows:
             raise InvalidInputError(
-                call, f"{name}={_shown(array)} has dtype {array.dtype}", f"pass {name} as integers"
-            )
-        if array.ndim != 1:
-            raise InvalidInputError(
-                call, f"{name} has shape {array.shape}", f"pass {name} as a 1-D array"
-            )
-        if rows >= 0 and array.shape[0] != rows:
-            raise InvalidInputError(
-                call,
+                "BatchFacts",
                 f"{name} has {array.shape[0]} entries but idx_mapping has {rows} rows",
                 "pass one entry per batch row in every array",
             )
-        rows = array.shape[0]
-        if array.dtype != _INT32:
-            if array.size and (int(array.min()) < 0 or int(array.max()) > INT32_MAX):
-                raise _out_of_range(name, array)
-            array = array.astype(np.int32)
-        arrays.append(array)
-    # One immutable copy of the four, from their bytes (np.concatenate then a copy to
-    # bytes costs half as much again; np.stack three times).
-    out: IntArray = np.frombuffer(
-        b"".join([array.tobytes() for array in arrays]), dtype=np.int32
-    ).reshape(4, rows)
-    # int32 values cannot exceed the int32 range: only a negative value is left to find.
-    # argmin is a C method; min() goes through numpy's Python reduction wrapper (1.5 µs).
-    if rows and out.reshape(-1)[out.argmin()] < 0:
-        first = int(np.flatnonzero(out.reshape(-1) < 0)[0]) // rows
+    # One immutable copy of the four, from their bytes (bytes.join reads contiguous
+    # arrays directly; a strided one is copied to bytes first).
+    try:
+        raw = b"".join(arrays)
+    except TypeError:
+        raw = b"".join([array.tobytes() for array in arrays])
+    # int32 values cannot exceed the int32 range: only a negative value is left to find,
+    # and a negative int32 is one whose most significant byte has its top bit set, which
+    # bytes.isascii() tests for every value at once in C.
+    if not raw[_SIGN_BYTE::4].isascii():
+        flat = np.frombuffer(raw, dtype=np.int32)
+        first = int(np.flatnonzero(flat < 0)[0]) // rows
         raise _out_of_range(_FIELDS[first], arrays[first])
+    out: IntArray = np.frombuffer(raw, dtype=np.int32).reshape(4, rows)
     return out
+
+
+def _int32_row(name: str, values: npt.ArrayLike) -> npt.NDArray[Any]:
+    """One of the four as a 1-D integer array that fits int32 (the long way: a list, another
+    integer dtype, a cast)."""
+    call = "BatchFacts"
+    array = np.asarray(values)
+    if array.size == 0:
+        array = array.astype(np.int32)
+    if array.dtype.kind not in "iu":  # bool is kind "b"
+        raise InvalidInputError(
+            call, f"{name}={_shown(array)} has dtype {array.dtype}", f"pass {name} as integers"
+        )
+    if array.ndim != 1:
+        raise InvalidInputError(
+            call, f"{name} has shape {array.shape}", f"pass {name} as a 1-D array"
+        )
+    if array.dtype != _INT32:
+        if array.size and (int(array.min()) < 0 or int(array.max()) > INT32_MAX):
+            raise _out_of_range(name, array)
+        array = array.astype(np.int32)
+    return array
 
 
 def _out_of_range(name: str, array: npt.NDArray[Any]) -> InvalidInputError:

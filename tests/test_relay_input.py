@@ -679,6 +679,30 @@ def test_batch_facts_name_a_repeated_slot_and_a_short_array() -> None:
         )
 
 
+@pytest.mark.parametrize("layout", ["strided", "big-endian", "int16", "list", "mixed"])
+def test_batch_facts_read_the_same_values_whatever_their_layout(layout: str) -> None:
+    # int32 arrays are read through their buffers; any other layout is converted first.
+    values = [[7, 0, 3], [5, 1, 0], [1, 1, 2], [6, 9, 2]]
+    wide: list[npt.NDArray[Any]] = [np.array(v, np.int32).repeat(2)[::2] for v in values]
+    layouts: dict[str, list[Any]] = {
+        "strided": wide,
+        "big-endian": [np.array(v, ">i4") for v in values],
+        "int16": [np.array(v, np.int16) for v in values],
+        "list": values,
+        "mixed": [np.array(values[0], np.int32), values[1], np.array(values[2], np.int64), wide[3]],
+    }
+    given = layouts[layout]
+    names = ["idx_mapping", "num_computed_tokens", "num_scheduled_tokens", "prefill_len"]
+    facts = BatchFacts(**dict(zip(names, given, strict=True)))
+    plain = BatchFacts(**{n: np.array(v, np.int32) for n, v in zip(names, values, strict=True)})
+    assert facts == plain
+    assert [getattr(facts, n).tolist() for n in names] == values
+    assert all(is_frozen(getattr(facts, n)) for n in names)
+    assert facts.max_slot == 7
+    assert facts.sampled_mask is not None
+    assert facts.sampled_mask.tolist() == [True, False, True]
+
+
 def test_batch_facts_near_the_int32_limit_do_not_wrap() -> None:
     # computed + scheduled overflows int32; the mask must still say the row samples.
     top = 2**31 - 1
