@@ -179,6 +179,23 @@ def groups() -> Iterator[dict[Communicator, dist.ProcessGroup]]:
         yield groups
 
 
+def _bound_values(interp: TorchInterpreter) -> dict[str, list[object]]:
+    """Every bound tensor's values by name, and (under "") every bound name."""
+    # The relay stream may still be writing what the batch made (a send buffer, say):
+    # reading it on the main stream before it finishes would race.
+    if interp.device.type == "cuda":
+        torch.cuda.synchronize(interp.device)
+    refs = interp.bound_refs()
+    # In a one-rank world a receive "receives" its own uninitialised buffer: only the
+    # names of what the receiver made are compared, and everything else's values.
+    values: dict[str, list[object]] = {
+        r.name: interp.tensor(r).tolist()
+        for r in refs
+        if isinstance(r, BufferRef) and not r.name.startswith("rx.")
+    }
+    return values | {"": sorted(r.name for r in refs)}
+
+
 def keyed_relay_program(
     interp: TorchInterpreter,
     spec: int,
@@ -213,15 +230,7 @@ def keyed_relay_program(
         interp.perform(effects)
         if after is not None:
             after(interp)
-        refs = interp.bound_refs()
-        # In a one-rank world a receive "receives" its own uninitialised buffer: only the
-        # names of what the receiver made are compared, and everything else's values.
-        values = {
-            r.name: interp.tensor(r).tolist()
-            for r in refs
-            if isinstance(r, BufferRef) and not r.name.startswith("rx.")
-        }
-        seen.append(values | {"": sorted(r.name for r in refs)})
+        seen.append(_bound_values(interp))
 
     for step in range(30):
         n = rows(step)
