@@ -193,7 +193,8 @@ def _bound_values(interp: TorchInterpreter) -> dict[str, list[object]]:
         for r in refs
         if isinstance(r, BufferRef) and not r.name.startswith("rx.")
     }
-    return values | {"": sorted(r.name for r in refs)}
+    names: list[object] = sorted(r.name for r in refs)
+    return values | {"": names}
 
 
 def keyed_relay_program(
