@@ -193,8 +193,8 @@ def _bound_values(interp: TorchInterpreter) -> dict[str, list[object]]:
         for r in refs
         if isinstance(r, BufferRef) and not r.name.startswith("rx.")
     }
-    names: list[object] = sorted(r.name for r in refs)
-    return values | {"": names}
+    values[""] = [name for name in sorted(r.name for r in refs)]
+    return values
 
 
 def keyed_relay_program(
