@@ -19,7 +19,7 @@ import pytest
 from purepp.runner import supervise
 from purepp.runner.cli import launch, main
 from purepp.runner.exit_codes import Exit, interrupted
-from purepp.runner.options import UsageError, check_log_dir
+from purepp.runner.options import CLI, LAUNCH, Spelling, UsageError, check_log_dir
 from purepp.runner.settings import RunSettings
 from purepp.runner.summary import RunSummary, summarise
 from purepp.runner.supervise import LOCK_FILE
@@ -198,12 +198,40 @@ def test_launch_takes_its_paths_as_a_path_too(tmp_path: Path) -> None:
     # every log API takes a Path; a file in the way shows the Path was read and checked.
     (tmp_path / "file").write_text("")
     settings = RunSettings(pp=1, dp=1)
-    with pytest.raises(UsageError, match=r"--log-dir .*is a file, not a folder"):
+    with pytest.raises(UsageError, match=r"^launch: log_dir='.*' cannot be written: .*is a file"):
         launch(settings, log_dir=tmp_path / "file" / "logs", progress=False)
-    with pytest.raises(UsageError, match=r"--trace .*is a folder"):
+    with pytest.raises(UsageError, match=r"^launch: trace='.*' is a folder"):
         launch(settings, trace=tmp_path, progress=False)
     with pytest.raises(UsageError, match="launch: log_dir=3 is not a path"):
         launch(settings, log_dir=3, progress=False)  # type: ignore[arg-type]
+
+
+def test_launch_names_its_own_arguments_where_purepp_run_names_its_flags(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # A research runner calls launch from Python: "--log-dir" would name a flag it never
+    # typed. The same refusals through `purepp run` keep naming the flags.
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with (logs / LOCK_FILE).open("w") as held:
+        held.write("4242 otherrun\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(UsageError) as refused:
+            launch(RunSettings(pp=1, dp=1), log_dir=logs, progress=False)
+        line = _refused(capsys, "run", "--log-dir", str(logs))
+    assert str(refused.value) == (
+        f"launch: log_dir='{logs}' is in use by another purepp run (pid 4242). "
+        "Fix: wait for it to finish, or pass another log_dir"
+    )
+    assert f"purepp run: --log-dir {logs} is in use by another purepp run (pid 4242)" in line
+    assert line.endswith("Fix: wait for it to finish, or pass another --log-dir")
+    with pytest.raises(UsageError, match=r"^launch: trace='' is empty\. Fix: .*trace='trace.json'"):
+        launch(RunSettings(pp=1, dp=1), trace="", progress=False)
+    line = _refused(capsys, "run", "--trace", "")
+    assert (
+        "purepp run: --trace '' is empty. Fix: name a file you can write to, e.g. --trace" in line
+    )
 
 
 def test_a_log_folder_file_named_as_a_rank_log_that_is_no_log_is_refused_and_kept(
@@ -213,7 +241,7 @@ def test_a_log_folder_file_named_as_a_rank_log_that_is_no_log_is_refused_and_kep
     # else would be lost. It is refused before anything starts, as dump_logs refuses it.
     notes = tmp_path / "rank-0000.jsonl"
     notes.write_text("my notes\n")
-    with pytest.raises(UsageError, match=r"purepp run: .*rank-0000.jsonl is not a purepp log"):
+    with pytest.raises(UsageError, match=r"^launch: .*rank-0000.jsonl is not a purepp log"):
         launch(RunSettings(pp=1, dp=1), log_dir=tmp_path, progress=False)
     assert notes.read_text() == "my notes\n"
 
@@ -237,8 +265,11 @@ def _launched(
         trace: str | None = None,
         run_id: str | None = None,
         progress: bool = True,
+        spelling: Spelling = LAUNCH,
     ) -> RunSummary:
-        calls.append(dict(log_dir=log_dir, trace=trace, run_id=run_id, progress=progress))
+        calls.append(
+            dict(log_dir=log_dir, trace=trace, run_id=run_id, progress=progress, spelling=spelling)
+        )
         return summarise(settings, [rank_result(0, produced)], [rank_result(0, expected)])
 
     monkeypatch.setattr(supervise, "launch", launch)
@@ -255,7 +286,8 @@ def test_a_run_prints_its_summary_its_id_and_where_its_logs_and_trace_are(
     assert code == Exit.OK, err
     [call] = calls
     run_id = call.pop("run_id")
-    assert call == dict(log_dir=str(logs), trace=str(trace), progress=True)  # drawn, for a user
+    # Drawn, for a user; its refusals name the flags.
+    assert call == dict(log_dir=str(logs), trace=str(trace), progress=True, spelling=CLI)
     assert out.startswith("purepp run: pp=1 x dp=1 on gloo")
     assert "parity           OK: " in out
     assert f"  run id           {run_id}\n" in out
@@ -321,3 +353,9 @@ def test_nccl_without_cuda_is_refused_before_start(capsys: pytest.CaptureFixture
         pytest.skip("this machine has CUDA")
     line = _refused(capsys, "run", "--backend", "nccl")
     assert "--backend nccl needs CUDA" in line
+    assert line.endswith("Fix: use --backend gloo")
+    with pytest.raises(UsageError) as refused:
+        launch(RunSettings(backend="nccl"), progress=False)
+    assert str(refused.value) == (
+        "launch: backend='nccl' needs CUDA, and none is available. Fix: use backend='gloo'"
+    )

@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING
 
 from purepp.errors import PureppError
 from purepp.runner.exit_codes import Exit, interrupted
-from purepp.runner.options import OptionParser, UsageError, add_run_options, settings_from_args
+from purepp.runner.options import (
+    CLI,
+    LAUNCH,
+    OptionParser,
+    Spelling,
+    UsageError,
+    add_run_options,
+    settings_from_args,
+)
 
 if TYPE_CHECKING:
     from purepp.runner.settings import RunSettings
@@ -36,11 +44,21 @@ def launch(
     trace: str | os.PathLike[str] | None = None,
     run_id: str | None = None,
     progress: bool = True,
+    spelling: Spelling = LAUNCH,
 ) -> RunSummary:
-    """`purepp.runner.supervise.launch`, imported when a run starts (`--help` stays fast)."""
+    """`purepp.runner.supervise.launch`, imported when a run starts (`--help` stays fast).
+
+    Its errors name `launch` and its arguments; `purepp run`'s name its flags."""
     from purepp.runner.supervise import launch as start
 
-    return start(settings, log_dir=log_dir, trace=trace, run_id=run_id, progress=progress)
+    return start(
+        settings,
+        log_dir=log_dir,
+        trace=trace,
+        run_id=run_id,
+        progress=progress,
+        spelling=spelling,
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -49,7 +67,9 @@ def _run(args: argparse.Namespace) -> int:
     run_id = uuid.uuid4().hex
     try:
         settings = settings_from_args(args)
-        summary = launch(settings, log_dir=args.log_dir, trace=args.trace, run_id=run_id)
+        summary = launch(
+            settings, log_dir=args.log_dir, trace=args.trace, run_id=run_id, spelling=CLI
+        )
     except UsageError as error:
         print(error, file=sys.stderr)
         return Exit.USAGE

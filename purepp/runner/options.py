@@ -15,13 +15,18 @@ import shlex
 from pathlib import Path
 from typing import NoReturn
 
+import attrs
+
 from purepp.errors import ConfigError
 from purepp.relay import Wire
 from purepp.runner.settings import INTERPRETER_MODES, MAX_SPECULATIVE_STEPS, RunSettings
 
 __all__ = [
+    "CLI",
+    "LAUNCH",
     "MAX_TIMEOUT_S",
     "OptionParser",
+    "Spelling",
     "UsageError",
     "add_run_options",
     "check_log_dir",
@@ -40,6 +45,32 @@ def _shown(value: object) -> str:
     """The value as the user would have typed it: `''` for an empty string."""
     return shlex.quote(value) if isinstance(value, str) else str(value)
 
+
+@attrs.frozen
+class Spelling:
+    """How an error names the call and its settings: as `purepp run`'s flags, or as the
+    keyword arguments of `launch` when a research runner calls it from Python."""
+
+    call: str  # "purepp run", a rank process's program, or "launch"
+    flags: bool  # --log-dir logs (True) or log_dir='logs' (False)
+
+    def name(self, setting: str) -> str:
+        """`log_dir` as `--log-dir`, or as itself."""
+        return f"--{setting.replace('_', '-')}" if self.flags else setting
+
+    def given(self, setting: str, value: object) -> str:
+        """A setting with its value, as the user gave it."""
+        if self.flags:
+            return f"{self.name(setting)} {_shown(value)}"
+        return f"{setting}={value!r}"
+
+    def refuse(self, setting: str, value: object, problem: str, fix: str) -> UsageError:
+        """The error refusing `setting`'s `value`, for `problem`."""
+        return UsageError(self.call, f"{self.given(setting, value)} {problem}", fix)
+
+
+CLI = Spelling("purepp run", flags=True)
+LAUNCH = Spelling("launch", flags=False)
 
 _WIRES = tuple(wire.value for wire in Wire)
 
@@ -212,13 +243,13 @@ def settings_from_args(
     )
 
 
-def _probe_folder(option: str, value: str, folder: Path, fix: str, call: str) -> None:
+def _probe_folder(setting: str, value: str, folder: Path, fix: str, spelling: Spelling) -> None:
     """Create `folder` if needed and write a file in it; refuse with the OS's reason."""
     for above in (folder, *folder.parents):
         if above.exists():
             if not above.is_dir():
                 problem = f"cannot be written: {above} is a file, not a folder"
-                raise _refuse(option, value, problem, fix, call)
+                raise spelling.refuse(setting, value, problem, fix)
             break
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -226,33 +257,33 @@ def _probe_folder(option: str, value: str, folder: Path, fix: str, call: str) ->
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as error:
-        raise _refuse(
-            option, value, f"is not writable ({error.strerror or error})", fix, call
-        ) from error
+        problem = f"is not writable ({error.strerror or error})"
+        raise spelling.refuse(setting, value, problem, fix) from error
 
 
-def check_log_dir(value: str, *, call: str = "purepp run") -> Path:
-    """The `--log-dir` folder, created and known to be writable."""
-    fix = "name a folder you can write to, e.g. --log-dir logs"
+def check_log_dir(value: str, *, spelling: Spelling = CLI) -> Path:
+    """The log folder (`--log-dir`, `launch(log_dir=...)`), created and known to be writable."""
+    fix = f"name a folder you can write to, e.g. {spelling.given('log_dir', 'logs')}"
     if not value.strip():
-        raise _refuse("--log-dir", value, "is empty", fix, call)
+        raise spelling.refuse("log_dir", value, "is empty", fix)
     folder = Path(value)
-    _probe_folder("--log-dir", value, folder, fix, call)
+    _probe_folder("log_dir", value, folder, fix, spelling)
     return folder
 
 
-def check_trace(value: str, *, call: str = "purepp run") -> Path:
-    """The `--trace` file: not a folder, in a folder that exists (or is created) and
-    is writable. An existing trace is replaced at the end of the run."""
-    fix = "name a file you can write to, e.g. --trace trace.json"
+def check_trace(value: str, *, spelling: Spelling = CLI) -> Path:
+    """The trace file (`--trace`, `launch(trace=...)`): not a folder, in a folder that
+    exists (or is created) and is writable. An existing trace is replaced at the end of
+    the run."""
+    fix = f"name a file you can write to, e.g. {spelling.given('trace', 'trace.json')}"
     if not value.strip():
-        raise _refuse("--trace", value, "is empty", fix, call)
+        raise spelling.refuse("trace", value, "is empty", fix)
     path = Path(value)
     if value.endswith(os.sep) or path.is_dir():
-        raise _refuse("--trace", value, "is a folder, but a trace is one file", fix, call)
+        raise spelling.refuse("trace", value, "is a folder, but a trace is one file", fix)
     if path.exists() and not path.is_file():
-        raise _refuse("--trace", value, "is not a regular file", fix, call)
-    _probe_folder("--trace", value, path.parent, fix, call)
+        raise spelling.refuse("trace", value, "is not a regular file", fix)
+    _probe_folder("trace", value, path.parent, fix, spelling)
     if path.exists() and not os.access(path, os.W_OK):
-        raise _refuse("--trace", value, "is not writable", fix, call)
+        raise spelling.refuse("trace", value, "is not writable", fix)
     return path

@@ -38,7 +38,14 @@ import attrs
 from purepp.effects import logfile
 from purepp.errors import InvalidInputError
 from purepp.runner.exit_codes import RankExit
-from purepp.runner.options import UsageError, check_log_dir, check_trace
+from purepp.runner.options import (
+    CLI,
+    LAUNCH,
+    Spelling,
+    UsageError,
+    check_log_dir,
+    check_trace,
+)
 from purepp.runner.progress import PARENT_PID_ENV, Beat, read_beat
 from purepp.runner.results import RankResult, ResultsError, read_results
 from purepp.runner.settings import RunSettings
@@ -133,7 +140,7 @@ def _signals_stop_the_run() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _log_dir_lock(folder: Path, run_id: str) -> Iterator[None]:
+def _log_dir_lock(folder: Path, run_id: str, spelling: Spelling = CLI) -> Iterator[None]:
     """Hold `folder/.purepp.lock` for the run: a second run there is refused."""
     path = folder / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -146,9 +153,9 @@ def _log_dir_lock(folder: Path, run_id: str) -> Iterator[None]:
                 pid = held.writer.split()[:1]
                 user = f"another purepp run{f' (pid {pid[0]})' if pid else ''}"
             raise UsageError(
-                "purepp run",
-                f"--log-dir {folder} is in use by {user}",
-                "wait for it to finish, or pass another --log-dir",
+                spelling.call,
+                f"{spelling.given('log_dir', str(folder))} is in use by {user}",
+                f"wait for it to finish, or pass another {spelling.name('log_dir')}",
             )
         yield
     finally:
@@ -626,21 +633,21 @@ def _reference_world(settings: RunSettings, work: Path, started: list[_Rank]) ->
     return _World("reference", 1, argv, work, started)
 
 
-def _check_devices(settings: RunSettings) -> None:
+def _check_devices(settings: RunSettings, spelling: Spelling = CLI) -> None:
     if settings.backend != "nccl":
         return
     import torch  # only here: a gloo run's launcher never needs it
 
+    nccl, gloo = spelling.given("backend", "nccl"), spelling.given("backend", "gloo")
     if not torch.cuda.is_available():
-        raise UsageError(
-            "purepp run", "--backend nccl needs CUDA, and none is available", "use --backend gloo"
-        )
+        raise UsageError(spelling.call, f"{nccl} needs CUDA, and none is available", f"use {gloo}")
     if torch.cuda.device_count() < settings.world_size:
+        shape = f"{spelling.given('pp', settings.pp)} {spelling.given('dp', settings.dp)}"
         raise UsageError(
-            "purepp run",
-            f"--backend nccl with --pp {settings.pp} --dp {settings.dp} needs "
-            f"{settings.world_size} GPUs, found {torch.cuda.device_count()}",
-            "lower --pp or --dp, or use --backend gloo",
+            spelling.call,
+            f"{nccl} with {shape} needs {settings.world_size} GPUs, "
+            f"found {torch.cuda.device_count()}",
+            f"lower {spelling.name('pp')} or {spelling.name('dp')}, or use {gloo}",
         )
 
 
@@ -662,9 +669,12 @@ def launch(
     trace: str | os.PathLike[str] | None = None,
     run_id: str | None = None,
     progress: bool = True,
+    spelling: Spelling = LAUNCH,
 ) -> RunSummary:
     """Run the world and the single-stage reference side by side; summarise both.
-    With `progress` the run's steps are drawn on stderr as it goes.
+    With `progress` the run's steps are drawn on stderr as it goes. Errors name
+    `launch` and its arguments (`log_dir=...`); `purepp run` passes its flags'
+    `spelling` (`--log-dir ...`).
 
     Raises UsageError before anything starts (a bad path, a log folder in use),
     RankFailure when a rank or the reference fails, freezes or hangs, and
@@ -672,21 +682,21 @@ def launch(
     temporary folder removed in each case.
     """
     log_dir, trace = _path_text("log_dir", log_dir), _path_text("trace", trace)
-    _check_devices(settings)
+    _check_devices(settings, spelling)
     if log_dir is not None:
-        check_log_dir(log_dir)
+        check_log_dir(log_dir, spelling=spelling)
     if trace is not None:
-        check_trace(trace)
+        check_trace(trace, spelling=spelling)
     argv = worker_argv(settings, log_dir, trace)
     if run_id is not None:
         argv.append(f"--run-id={run_id}")
     with contextlib.ExitStack() as stack:
         stack.enter_context(_signals_stop_the_run())
         if log_dir is not None:
-            stack.enter_context(_log_dir_lock(Path(log_dir), run_id or "-"))
+            stack.enter_context(_log_dir_lock(Path(log_dir), run_id or "-", spelling))
             # The folder must hold this run's logs only: `purepp check` reads every one.
             try:
-                old_logs = logfile.rank_logs("purepp run", Path(log_dir))
+                old_logs = logfile.rank_logs(spelling.call, Path(log_dir))
             except InvalidInputError as error:  # a file of a log's name that is no log
                 raise UsageError(error.call, error.problem, error.fix) from error
             for old_log in old_logs.values():

@@ -23,6 +23,7 @@ from purepp.errors import PeerFailureError, PureppError
 from purepp.runner.exit_codes import Exit, RankExit
 from purepp.runner.options import (
     OptionParser,
+    Spelling,
     UsageError,
     add_run_options,
     check_log_dir,
@@ -117,9 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from_args(args, call=parser.prog)
         # Under torchrun no launcher made or probed these: each rank does (idempotent).
         if args.log_dir is not None:
-            check_log_dir(args.log_dir, call=parser.prog)
+            check_log_dir(args.log_dir, spelling=Spelling(parser.prog, flags=True))
         if args.trace is not None:
-            check_trace(args.trace, call=parser.prog)
+            check_trace(args.trace, spelling=Spelling(parser.prog, flags=True))
     except UsageError as error:
         print(error, file=sys.stderr)
         return Exit.USAGE
