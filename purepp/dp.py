@@ -938,8 +938,11 @@ def _row_bounds(live_table: npt.NDArray[np.int32]) -> Sequence[Sequence[int]]:
             row.sort()
         return rows
     if columns <= _SORT_GROUP:
-        # Columns 0 and columns-1 of the sorted rows: each row's least and most.
-        pairs: list[list[int]] = np.sort(live_table, axis=1)[:, :: columns - 1].tolist()
+        # Columns 0 and columns-1 of the sorted rows: each row's least and most (a copy
+        # sorted in place: np.sort's Python wrapper costs a fifth of the whole).
+        ordered = live_table.copy()
+        ordered.sort()
+        pairs: list[list[int]] = ordered[:, :: columns - 1].tolist()
         return pairs
     lows, highs = live_table.min(axis=1).tolist(), live_table.max(axis=1).tolist()
     return list(zip(lows, highs, strict=True))
