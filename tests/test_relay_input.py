@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
@@ -701,6 +703,17 @@ def test_batch_facts_read_the_same_values_whatever_their_layout(layout: str) -> 
     assert facts.max_slot == 7
     assert facts.sampled_mask is not None
     assert facts.sampled_mask.tolist() == [True, False, True]
+
+
+@pytest.mark.parametrize("shape", [(2, 2), ()])
+def test_batch_facts_refuse_int32_arrays_that_are_not_one_row_per_request(
+    shape: tuple[int, ...],
+) -> None:
+    # Every array int32 and of one shape: only the number of dimensions is wrong.
+    names = ["idx_mapping", "num_computed_tokens", "num_scheduled_tokens", "prefill_len"]
+    arrays = {name: np.arange(math.prod(shape), dtype=np.int32).reshape(shape) for name in names}
+    with pytest.raises(InvalidInputError, match=rf"idx_mapping has shape {re.escape(str(shape))}"):
+        BatchFacts(**arrays)
 
 
 def test_batch_facts_near_the_int32_limit_do_not_wrap() -> None:
