@@ -28,7 +28,14 @@ import pytest
 
 from purepp.runner import supervise
 from purepp.runner.exit_codes import RankExit
-from purepp.runner.options import OptionParser, UsageError, add_run_options, settings_from_args
+from purepp.runner.options import (
+    CLI,
+    LAUNCH,
+    OptionParser,
+    UsageError,
+    add_run_options,
+    settings_from_args,
+)
 from purepp.runner.progress import Beat, write_beat
 from purepp.runner.settings import RunSettings
 from purepp.runner.supervise import (
@@ -736,20 +743,20 @@ def test_the_log_folder_lock_names_its_holder_and_is_released_after_the_run(
 ) -> None:
     lock = tmp_path / supervise.LOCK_FILE
     lock.write_text("999999999 an-older-and-longer-run-id\n")
-    with _log_dir_lock(tmp_path, "run1"):
+    with _log_dir_lock(tmp_path, "run1", CLI):
         assert lock.read_text() == f"{os.getpid()} run1\n"
-        with pytest.raises(UsageError) as refused, _log_dir_lock(tmp_path, "run2"):
+        with pytest.raises(UsageError) as refused, _log_dir_lock(tmp_path, "run2", CLI):
             pass
         assert f"is in use by another purepp run (pid {os.getpid()})" in str(refused.value)
         assert "Fix: wait for it to finish, or pass another --log-dir" in str(refused.value)
-    with _log_dir_lock(tmp_path, "run3"):  # released: the next run takes it
+    with _log_dir_lock(tmp_path, "run3", CLI):  # released: the next run takes it
         assert lock.read_text() == f"{os.getpid()} run3\n"
 
 
 def test_a_lock_held_without_a_pid_is_refused_without_one(tmp_path: Path) -> None:
     with (tmp_path / supervise.LOCK_FILE).open("w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        with pytest.raises(UsageError) as refused, _log_dir_lock(tmp_path, "run"):
+        with pytest.raises(UsageError) as refused, _log_dir_lock(tmp_path, "run", CLI):
             pass
     assert f"--log-dir {tmp_path} is in use by another purepp run. Fix:" in str(refused.value)
 
@@ -760,10 +767,10 @@ def test_a_lock_only_read_is_no_run_and_is_waited_out_a_while(tmp_path: Path) ->
     # reader that never lets go as what it is.
     with (tmp_path / supervise.LOCK_FILE).open("w") as held:
         fcntl.flock(held, fcntl.LOCK_SH)
-        with pytest.raises(UsageError) as refused, _log_dir_lock(tmp_path, "run"):
+        with pytest.raises(UsageError) as refused, _log_dir_lock(tmp_path, "run", CLI):
             pass
     assert f"--log-dir {tmp_path} is in use by purepp check, reading it over" in str(refused.value)
-    with _log_dir_lock(tmp_path, "run"):  # the reader let go: the run takes it
+    with _log_dir_lock(tmp_path, "run", CLI):  # the reader let go: the run takes it
         assert (tmp_path / supervise.LOCK_FILE).read_text() == f"{os.getpid()} run\n"
 
 
@@ -1003,11 +1010,17 @@ def test_nccl_needs_a_gpu_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     with pytest.raises(UsageError) as refused:
-        _check_devices(RunSettings(pp=2, dp=2, backend="nccl"))
+        _check_devices(RunSettings(pp=2, dp=2, backend="nccl"), CLI)
     assert "--backend nccl with --pp 2 --dp 2 needs 4 GPUs, found 3" in str(refused.value)
-    _check_devices(RunSettings(pp=3, dp=1, backend="nccl"))
+    with pytest.raises(UsageError) as refused:
+        _check_devices(RunSettings(pp=2, dp=2, backend="nccl"), LAUNCH)
+    assert str(refused.value) == (
+        "launch: backend='nccl' with pp=2 dp=2 needs 4 GPUs, found 3. "
+        "Fix: lower pp or dp, or use backend='gloo'"
+    )
+    _check_devices(RunSettings(pp=3, dp=1, backend="nccl"), CLI)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    _check_devices(RunSettings(pp=2, dp=2, backend="gloo"))
+    _check_devices(RunSettings(pp=2, dp=2, backend="gloo"), CLI)
 
 
 # -- progress ------------------------------------------------------------------------------

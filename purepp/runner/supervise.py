@@ -39,7 +39,6 @@ from purepp.effects import logfile
 from purepp.errors import InvalidInputError
 from purepp.runner.exit_codes import RankExit
 from purepp.runner.options import (
-    CLI,
     LAUNCH,
     Spelling,
     UsageError,
@@ -140,7 +139,7 @@ def _signals_stop_the_run() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _log_dir_lock(folder: Path, run_id: str, spelling: Spelling = CLI) -> Iterator[None]:
+def _log_dir_lock(folder: Path, run_id: str, spelling: Spelling) -> Iterator[None]:
     """Hold `folder/.purepp.lock` for the run: a second run there is refused."""
     path = folder / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -633,7 +632,7 @@ def _reference_world(settings: RunSettings, work: Path, started: list[_Rank]) ->
     return _World("reference", 1, argv, work, started)
 
 
-def _check_devices(settings: RunSettings, spelling: Spelling = CLI) -> None:
+def _check_devices(settings: RunSettings, spelling: Spelling) -> None:
     if settings.backend != "nccl":
         return
     import torch  # only here: a gloo run's launcher never needs it
