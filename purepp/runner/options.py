@@ -75,10 +75,6 @@ LAUNCH = Spelling("launch", flags=False)
 _WIRES = tuple(wire.value for wire in Wire)
 
 
-def _refuse(option: str, value: object, problem: str, fix: str, call: str) -> UsageError:
-    return UsageError(call, f"{option} {_shown(value)} {problem}", fix)
-
-
 class OptionParser(argparse.ArgumentParser):
     """argparse, but a mistake is one UsageError line instead of a usage block and exit."""
 
@@ -137,37 +133,40 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     add("--trace", default=None, help="write a Chrome/Perfetto trace to this file")
 
 
-def _whole(option: str, value: object, *, low: int, high: int | None, fix: str, call: str) -> int:
+def _whole(
+    spelling: Spelling, setting: str, value: object, *, low: int, high: int | None, fix: str
+) -> int:
     if isinstance(value, bool):
-        raise _refuse(option, value, "is not a whole number", fix, call)
+        raise spelling.refuse(setting, value, "is not a whole number", fix)
     if isinstance(value, int):
         number = value
     else:
         try:
             number = int(str(value).strip())
         except ValueError:
-            raise _refuse(option, value, "is not a whole number", fix, call) from None
+            raise spelling.refuse(setting, value, "is not a whole number", fix) from None
     if number < low:
-        raise _refuse(option, value, f"is below {low}", fix, call)
+        raise spelling.refuse(setting, value, f"is below {low}", fix)
     if high is not None and number > high:
-        raise _refuse(option, value, f"is above {high}", fix, call)
+        raise spelling.refuse(setting, value, f"is above {high}", fix)
     return number
 
 
-def _timeout(option: str, value: object, call: str) -> float:
-    fix = f"pass a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}, e.g. {option} 60"
+def _timeout(spelling: Spelling, value: object) -> float:
+    example = spelling.given("timeout", 60)
+    fix = f"pass a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}, e.g. {example}"
     if isinstance(value, bool):
-        raise _refuse(option, value, "is not a number", fix, call)
+        raise spelling.refuse("timeout", value, "is not a number", fix)
     try:
         seconds = float(value) if isinstance(value, int | float) else float(str(value).strip())
     except ValueError:
-        raise _refuse(option, value, "is not a number", fix, call) from None
+        raise spelling.refuse("timeout", value, "is not a number", fix) from None
     if not math.isfinite(seconds):
-        raise _refuse(option, value, "is not finite", fix, call)
+        raise spelling.refuse("timeout", value, "is not finite", fix)
     if seconds <= 0:
-        raise _refuse(option, value, "is not above 0", fix, call)
+        raise spelling.refuse("timeout", value, "is not above 0", fix)
     if seconds > MAX_TIMEOUT_S:
-        raise _refuse(option, value, f"is above {MAX_TIMEOUT_S:g} s (a day)", fix, call)
+        raise spelling.refuse("timeout", value, f"is above {MAX_TIMEOUT_S:g} s (a day)", fix)
     return seconds
 
 
@@ -195,47 +194,43 @@ def settings_from_args(
     }
     raw.update(overrides)
     d = RunSettings()
+    spelling = Spelling(call, flags=True)
     backend = raw["backend"]
     if backend not in ("gloo", "nccl"):
-        raise _refuse(
-            "--backend", backend, "is not a backend", "use --backend gloo or --backend nccl", call
-        )
+        fix = "use --backend gloo or --backend nccl"
+        raise spelling.refuse("backend", backend, "is not a backend", fix)
     validate_header = raw["validate_header"]
     if not isinstance(validate_header, bool):
-        raise _refuse("--validate-header", validate_header, "is not a flag", "omit a value", call)
+        raise spelling.refuse("validate_header", validate_header, "is not a flag", "omit a value")
     wire = raw["wire"]
     if wire not in _WIRES:
         fix = f"use --wire {' or '.join(_WIRES)}"
-        raise _refuse("--wire", wire, "is not a wire format", fix, call)
+        raise spelling.refuse("wire", wire, "is not a wire format", fix)
     interpreter = raw["interpreter"]
     if interpreter not in INTERPRETER_MODES:
         fix = f"use --interpreter {' or '.join(INTERPRETER_MODES)}"
-        raise _refuse("--interpreter", interpreter, "is not an interpreter mode", fix, call)
+        raise spelling.refuse("interpreter", interpreter, "is not an interpreter mode", fix)
     if interpreter == "captured" and backend != "nccl":
         fix = "add --backend nccl (CUDA graphs), or use --interpreter plan"
-        raise _refuse("--interpreter", interpreter, "needs --backend nccl", fix, call)
+        raise spelling.refuse("interpreter", interpreter, "needs --backend nccl", fix)
     overlap = raw["overlap_agreement"]
     if not isinstance(overlap, bool):
-        raise _refuse("--overlap-agreement", overlap, "is not a flag", "omit a value", call)
+        raise spelling.refuse("overlap_agreement", overlap, "is not a flag", "omit a value")
 
-    def whole(option: str, field: str, low: int, high: int | None, fix: str) -> int:
-        return _whole(option, raw[field], low=low, high=high, fix=fix, call=call)
+    def whole(setting: str, low: int, high: int | None, fix: str) -> int:
+        return _whole(spelling, setting, raw[setting], low=low, high=high, fix=fix)
 
     return RunSettings(
-        pp=whole("--pp", "pp", 1, d.num_layers, f"use 1..{d.num_layers} stages"),
-        dp=whole("--dp", "dp", 1, None, "use 1 or more replicas"),
-        steps=whole("--steps", "steps", 0, None, "use 0 (until every request is done) or more"),
-        requests=whole("--requests", "requests", 1, None, "use 1 or more requests to compare"),
+        pp=whole("pp", 1, d.num_layers, f"use 1..{d.num_layers} stages"),
+        dp=whole("dp", 1, None, "use 1 or more replicas"),
+        steps=whole("steps", 0, None, "use 0 (until every request is done) or more"),
+        requests=whole("requests", 1, None, "use 1 or more requests to compare"),
         spec=whole(
-            "--spec",
-            "spec",
-            0,
-            MAX_SPECULATIVE_STEPS,
-            f"use 0..{MAX_SPECULATIVE_STEPS} speculative steps",
+            "spec", 0, MAX_SPECULATIVE_STEPS, f"use 0..{MAX_SPECULATIVE_STEPS} speculative steps"
         ),
-        seed=whole("--seed", "seed", 0, None, "use a whole number 0 or more"),
+        seed=whole("seed", 0, None, "use a whole number 0 or more"),
         backend="nccl" if backend == "nccl" else "gloo",
-        timeout_s=_timeout("--timeout", raw["timeout_s"], call),
+        timeout_s=_timeout(spelling, raw["timeout_s"]),
         validate_header=validate_header,
         overlap_agreement=overlap,
         wire=str(wire),
