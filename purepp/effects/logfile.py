@@ -980,7 +980,6 @@ def load_log(
     `allow_cut_end`, a last line the writer never finished (the rank died while
     writing) ends the records instead of raising, as `purepp check` reads it.
     """
-    allow_cut_end = check_bool("load_log", "allow_cut_end", allow_cut_end)
     return _read_log("load_log", path, expect_world=expect_world, allow_cut_end=allow_cut_end)
 
 
