@@ -518,13 +518,11 @@ def _lanes(target: int | None, drafter: int | None) -> AgreementLanes:
     build one each)."""
     if target is None and drafter is None:
         return _IDLE_LANES  # the common free lanes: frozen, so one value is shared
-    out = object.__new__(AgreementLanes)
-    object.__setattr__(out, "target", target)
-    object.__setattr__(out, "drafter", drafter)
-    return out
+    return _AgreementLanes(target=target, drafter=drafter)
 
 
 _IDLE_LANES = AgreementLanes()
+_AgreementLanes = trusted(AgreementLanes)
 
 
 @attrs.frozen(kw_only=True)
