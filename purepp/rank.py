@@ -234,6 +234,9 @@ class Agreeing:
     facts: dp.RankBatch  # this rank's facts, which the drafter's agreement reuses
     pending: dp.PendingAgreement  # the target lane's started agreement
 
+    def __attrs_post_init__(self) -> None:
+        _check_fields(self)  # the phases' own values skip it: built by trusted constructors
+
 
 @attrs.frozen(kw_only=True)
 class RankState:
@@ -243,6 +246,9 @@ class RankState:
     relay: RelayState
     lanes: dp.AgreementLanes = _FREE_LANES
     agreeing: Agreeing | None = None  # the step about to begin's agreement, started early
+
+    def __attrs_post_init__(self) -> None:
+        _check_fields(self)  # the phases' own values skip it: built by trusted constructors
 
     @property
     def step(self) -> int:
@@ -287,6 +293,9 @@ class Begun:
     consumed: ConsumedOutputs | None  # what the entry still holds for the caller, if anything
     agreeing: Agreeing | None = None  # this step's agreement, once started: `settle` it
 
+    def __attrs_post_init__(self) -> None:
+        _check_fields(self)  # the phases' own values skip it: built by trusted constructors
+
 
 @attrs.frozen(kw_only=True)
 class Agreed:
@@ -298,6 +307,9 @@ class Agreed:
     target: dp.DispatchOutcome  # the target model's descriptor and agreement
     drafter: dp.DispatchOutcome | None  # the drafter's, reusing the target's agreement
     ahead: Agreeing | None = None  # the next step's agreement, started during this forward
+
+    def __attrs_post_init__(self) -> None:
+        _check_fields(self)  # the phases' own values skip it: built by trusted constructors
 
     @property
     def descriptor(self) -> BatchExecutionDescriptor:
@@ -322,33 +334,33 @@ _Agreed = trusted(Agreed)
 
 
 def _expect(call: str, name: str, value: object, kind: type) -> None:
-    """The phases' boundary check: each takes only the value the one before returned."""
+    """The phases' boundary check: each takes only the value the one before returned.
+
+    A type check alone: a phase value's fields were checked when it was built (the
+    phases build theirs from values they checked; `_check_fields` checks any other)."""
     if not isinstance(value, kind):  # the fix's text is built only for the error
         check_instance(call, name, value, kind, fix=f"pass the {kind.__name__} it expects")
-    fields = _FIELDS.get(kind)
-    if fields is not None:
-        _expect_fields(call, name, value, fields)
 
 
-def _expect_fields(
-    call: str, name: str, value: object, fields: tuple[tuple[str, tuple[type, ...]], ...]
-) -> None:
-    """A phase value built by hand (a restored RankState, an attrs.evolve) holds the types
-    the phases read: a type check per field, so a wrong one fails here and not mid-phase."""
-    for field, kinds in fields:
+def _check_fields(value: Agreeing | RankState | Begun | Agreed) -> None:
+    """A phase value built by hand (a restored RankState, an attrs.evolve of a Begun)
+    holds the types the phases read: a type check per field when it is built, so a
+    wrong one fails there, naming the field, and not halfway through a later phase."""
+    kind = type(value)
+    for field, kinds in _FIELDS[kind]:
         inner = getattr(value, field)
         if type(inner) not in kinds:
             allowed = " or ".join("None" if k is _NONE else k.__name__ for k in kinds)
             raise InvalidInputError(
-                call,
-                f"{name}.{field} has type {type(inner).__name__}, not {allowed}",
-                f"pass the {type(value).__name__} the phase before returned",
+                kind.__name__,
+                f"{field} has type {type(inner).__name__}, not {allowed}",
+                f"pass {field} as {allowed} (attrs.evolve the {kind.__name__} a phase "
+                "returned, keeping the types of its fields)",
             )
-        if type(inner) is Agreeing:
-            _expect_fields(call, f"{name}.{field}", inner, _FIELDS[Agreeing])
 
 
 _NONE = type(None)
+
 _FIELDS: dict[type, tuple[tuple[str, tuple[type, ...]], ...]] = {
     Agreeing: (
         ("step", (int,)),
@@ -431,13 +443,19 @@ def _expect_steps(call: str, steps: object) -> None:
         )
 
 
+_IO_METHODS = ("bind", "spec", "upload", "host_table")
+# Classes that have the StepIO methods themselves, so every instance has them: every
+# phase given an io checks it, and for these that is one set lookup.
+_IO_CLASSES: set[type] = set()
+
+
 def _expect_io(call: str, io: object) -> None:
-    if not (
-        callable(getattr(io, "bind", None))
-        and callable(getattr(io, "spec", None))
-        and callable(getattr(io, "upload", None))
-        and callable(getattr(io, "host_table", None))
-    ):
+    kind = type(io)
+    if kind in _IO_CLASSES:
+        return
+    if all(callable(getattr(kind, method, None)) for method in _IO_METHODS):
+        _IO_CLASSES.add(kind)
+    elif not all(callable(getattr(io, method, None)) for method in _IO_METHODS):
         raise InvalidInputError(
             call, f"io is {a_type(io)}", "pass a StepIO (e.g. NumpyIO or TorchIO)"
         )
