@@ -36,13 +36,11 @@ that one effect out of step order.)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator
 from types import GeneratorType
 from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
-import numpy as np
-import numpy.typing as npt
 
 from purepp import dp
 from purepp._checks import INT32_MAX, check_instance, check_interpreter
@@ -58,6 +56,7 @@ from purepp.relay import (
     ConsumedOutputs,
     RelayConfig,
     RelayState,
+    SlotsLike,
     Wire,
     broadcast_drafts,
     broadcast_sampled,
@@ -174,9 +173,9 @@ class RankSteps:
     that frees slots (a `freed` other than the empty tuple)."""
 
     consume: ConsumeStep = consume_previous_step
-    free: Callable[
-        [RelayConfig, RelayState, Sequence[int] | npt.NDArray[np.integer]], Step[RelayState, None]
-    ] = free_request_slots
+    free: Callable[[RelayConfig, RelayState, SlotsLike], Step[RelayState, None]] = (
+        free_request_slots
+    )
     start_agreement: StartAgreementStep = dp.start_agreement
     receive: Callable[[RelayConfig, RelayState, BatchFacts], Step[RelayState, bool]] = receive
     broadcast_sampled: BroadcastSampledStep = broadcast_sampled
@@ -235,7 +234,7 @@ class Agreeing:
     pending: dp.PendingAgreement  # the target lane's started agreement
 
     def __attrs_post_init__(self) -> None:
-        _check_fields(self)  # the phases' own values skip it: built by trusted constructors
+        _check_fields(self, Agreeing)  # not for the phases' own: built by trusted constructors
 
 
 @attrs.frozen(kw_only=True)
@@ -248,7 +247,7 @@ class RankState:
     agreeing: Agreeing | None = None  # the step about to begin's agreement, started early
 
     def __attrs_post_init__(self) -> None:
-        _check_fields(self)  # the phases' own values skip it: built by trusted constructors
+        _check_fields(self, RankState)  # not for the phases' own: built by trusted constructors
 
     @property
     def step(self) -> int:
@@ -294,7 +293,7 @@ class Begun:
     agreeing: Agreeing | None = None  # this step's agreement, once started: `settle` it
 
     def __attrs_post_init__(self) -> None:
-        _check_fields(self)  # the phases' own values skip it: built by trusted constructors
+        _check_fields(self, Begun)  # not for the phases' own: built by trusted constructors
 
 
 @attrs.frozen(kw_only=True)
@@ -309,7 +308,7 @@ class Agreed:
     ahead: Agreeing | None = None  # the next step's agreement, started during this forward
 
     def __attrs_post_init__(self) -> None:
-        _check_fields(self)  # the phases' own values skip it: built by trusted constructors
+        _check_fields(self, Agreed)  # not for the phases' own: built by trusted constructors
 
     @property
     def descriptor(self) -> BatchExecutionDescriptor:
@@ -342,11 +341,11 @@ def _expect(call: str, name: str, value: object, kind: type) -> None:
         check_instance(call, name, value, kind, fix=f"pass the {kind.__name__} it expects")
 
 
-def _check_fields(value: Agreeing | RankState | Begun | Agreed) -> None:
+def _check_fields(value: object, kind: type) -> None:
     """A phase value built by hand (a restored RankState, an attrs.evolve of a Begun)
-    holds the types the phases read: a type check per field when it is built, so a
-    wrong one fails there, naming the field, and not halfway through a later phase."""
-    kind = type(value)
+    holds the types the phases read: a type check per field of its phase class `kind`
+    when it is built, so a wrong one fails there, naming the field, and not halfway
+    through a later phase."""
     for field, kinds in _FIELDS[kind]:
         inner = getattr(value, field)
         if type(inner) not in kinds:
@@ -488,7 +487,7 @@ def agree(
     shape: ShapeFacts,
     io: StepIO[T],
     *,
-    freed: Sequence[int] | npt.NDArray[np.integer] = (),
+    freed: SlotsLike = (),
     steps: RankSteps = REAL_STEPS,
 ) -> StepPhase[Agreed]:
     """Phase 2: free `freed` slots, then agree `batch`'s shape across the DP group.
@@ -619,7 +618,7 @@ def settle(
     begun: Begun,
     io: StepIO[T],
     *,
-    freed: Sequence[int] | npt.NDArray[np.integer] = (),
+    freed: SlotsLike = (),
     steps: RankSteps = REAL_STEPS,
 ) -> StepPhase[Agreed]:
     """Phase 2b: free `freed` slots, then complete this step's agreement (`begun.agreeing`).
@@ -649,7 +648,7 @@ def settle(
 def _freed(
     config: RankConfig,
     begun: Begun,
-    freed: Sequence[int] | npt.NDArray[np.integer],
+    freed: SlotsLike,
     steps: RankSteps,
 ) -> Begun:
     """`begun` with `freed` slots freed in its relay."""
@@ -952,7 +951,7 @@ class RankDriver(Generic[T]):
         batch: BatchFacts,
         shape: ShapeFacts,
         *,
-        freed: Sequence[int] | npt.NDArray[np.integer] = (),
+        freed: SlotsLike = (),
     ) -> Agreed:
         phase = agree(self.config, begun, batch, shape, self.io, freed=freed, steps=self.steps)
         return self._perform("agree", begun, phase)
@@ -965,9 +964,7 @@ class RankDriver(Generic[T]):
         phase = start_next_agreement(self.config, agreed, batch, shape, steps=self.steps)
         return self._perform("start_next", agreed, phase)
 
-    def settle(
-        self, begun: Begun, *, freed: Sequence[int] | npt.NDArray[np.integer] = ()
-    ) -> Agreed:
+    def settle(self, begun: Begun, *, freed: SlotsLike = ()) -> Agreed:
         phase = settle(self.config, begun, self.io, freed=freed, steps=self.steps)
         return self._perform("settle", begun, phase)
 

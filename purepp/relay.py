@@ -40,7 +40,7 @@ import enum
 import functools
 import operator
 from collections.abc import Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import attrs
 import numpy as np
@@ -92,6 +92,7 @@ __all__ = [
     "RelayConfig",
     "RelayInputs",
     "RelayState",
+    "SlotsLike",
     "Wire",
     "broadcast_drafts",
     "broadcast_sampled",
@@ -139,6 +140,10 @@ _MAIN, _RELAY = Stream.MAIN, Stream.RELAY
 _INT32, _INT64 = DType.INT32, DType.INT64
 _PP_RELAY = Communicator.PP_RELAY
 _new_str = str.__new__  # `_names` makes BufferRefs of its own strs: no caller's type to check
+
+
+# Request slots as a caller passes them: a sequence of ints, or an integer array.
+SlotsLike: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]]
 
 
 class Platform(enum.Enum):
@@ -490,7 +495,7 @@ def free_request_slot(config: RelayConfig, state: RelayState, slot: int) -> Step
 
 
 def free_request_slots(
-    config: RelayConfig, state: RelayState, slots: Sequence[int] | npt.NDArray[np.integer]
+    config: RelayConfig, state: RelayState, slots: SlotsLike
 ) -> Step[RelayState, None]:
     """Bump the generation of every slot in `slots` (once per occurrence)."""
     call = "free_request_slots"

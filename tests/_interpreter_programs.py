@@ -79,7 +79,8 @@ def n_at(step: int) -> int:
 def sampled(step: int, n: int) -> npt.NDArray[np.int64]:
     k = 1 if step % 3 == 0 else WIDTH - 1  # a plain-sampler step every third
     rows, cols = np.indices((n, k))
-    return (1000 * step + 10 * rows + cols).astype(np.int64)
+    tokens: npt.NDArray[np.int64] = (1000 * step + 10 * rows + cols).astype(np.int64)
+    return tokens
 
 
 def idx_mapping(step: int, n: int) -> npt.NDArray[np.int32]:

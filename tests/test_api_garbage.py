@@ -1177,6 +1177,18 @@ def test_a_phase_value_built_by_hand_is_checked_field_by_field(good: Any, field:
         attrs.evolve(good, **{field: "garbage"})
 
 
+def test_a_subclass_of_a_phase_value_is_checked_as_its_phase_class() -> None:
+    """The phases take subclasses (isinstance): one builds, and its fields are checked."""
+
+    class Annotated(Begun):
+        pass
+
+    fields = {field: getattr(STARTED, field) for field in attrs.fields_dict(Begun)}
+    assert type(Annotated(**fields)) is Annotated
+    with pytest.raises(InvalidInputError, match=re.escape("Begun: lanes has type str")):
+        Annotated(**{**fields, "lanes": "garbage"})
+
+
 def test_good_values_still_work() -> None:
     """What the checks let through: numpy ints, str refs found by name, int32 uploads."""
     assert Layout(2, 2).pp_stage(np.int64(3)) == 1  # type: ignore[arg-type]

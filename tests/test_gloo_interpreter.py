@@ -73,11 +73,15 @@ class Tag(TypedDict):
 
 def sampled_tokens(step: int) -> npt.NDArray[np.int64]:
     rows, cols = np.indices((N, SAMPLED_WIDTH))
-    return (1000 * step + 10 * rows + cols).astype(np.int64)
+    tokens: npt.NDArray[np.int64] = (1000 * step + 10 * rows + cols).astype(np.int64)
+    return tokens
 
 
 def counts(step: int) -> npt.NDArray[np.int32]:
-    return np.stack([np.arange(N) % 3 + 1 + step, np.arange(N) % 2]).astype(np.int32)
+    stacked: npt.NDArray[np.int32] = np.stack(
+        [np.arange(N) % 3 + 1 + step, np.arange(N) % 2]
+    ).astype(np.int32)
+    return stacked
 
 
 def dp_column(rank: int, step: int) -> list[int]:

@@ -13,7 +13,7 @@ import io
 import subprocess
 import sys
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import attrs
 import numpy as np
@@ -388,7 +388,7 @@ def test_numpy_interpreter_names_rank_step_and_both_headers_on_a_mismatch(
     "bound", [np.array([3, 4, 0], dtype=np.int32), np.array([3, 4], dtype=np.int64)]
 )
 def test_numpy_interpreter_refuses_a_header_of_another_layout(
-    bound: npt.NDArray[np.integer],
+    bound: npt.NDArray[np.integer[Any]],
 ) -> None:
     interpreter = NumpyInterpreter()
     header = BufferRef("h")
