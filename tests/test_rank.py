@@ -385,6 +385,21 @@ def test_the_agreement_dispatches_with_the_shapes_active_lora_count() -> None:
             ShapeFacts(num_tokens=4, num_active_loras=bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int16", "uint8"])
+def test_torch_io_refuses_the_spec_of_a_tensor_neither_int64_nor_int32(dtype: str) -> None:
+    """The torch interpreter binds any tensor; its spec names the call, the buffer and the
+    dtype. (The numpy interpreter refuses such an array when it is bound.)"""
+    import torch
+
+    ref = BufferRef("caller")
+    interpreter = TorchInterpreter(device=torch.device("cpu"), groups={}, rank=0)
+    interpreter.bind(ref, torch.zeros(3, dtype=getattr(torch, dtype)))
+    with pytest.raises(InterpreterError, match=rf"^TorchIO.spec: buffer 'caller' is {dtype}\."):
+        TorchIO(interpreter).spec(ref)
+    with pytest.raises(InvalidInputError, match=rf"^NumpyInterpreter.bind: .* has dtype {dtype}"):
+        NumpyInterpreter().bind(ref, np.zeros(3, dtype=dtype))
+
+
 def test_finish_names_a_float_count_that_the_torch_interpreter_binds() -> None:
     import torch
 

@@ -17,16 +17,19 @@ from typing import Any
 import attrs
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import purepp.dp
+import purepp.effects.io
 import purepp.rank
 import purepp.relay
 from purepp._trusted import trusted
 from purepp.dp import AgreementGroup, AgreementLanes, finish_agreement, start_agreement
-from purepp.effects.io import NumpyIO
+from purepp.effects.io import NumpyIO, TorchIO
 from purepp.effects.numpy_interpreter import NumpyInterpreter
+from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.effects.vocabulary import (
     Broadcast,
     BufferRef,
@@ -35,6 +38,7 @@ from purepp.effects.vocabulary import (
     EventRef,
     Op,
     Stream,
+    TensorSpec,
 )
 from purepp.rank import RankDriver, Sampled, ShapeFacts, init_rank
 from purepp.relay import (
@@ -53,7 +57,7 @@ from tests.test_keyed_effects import relay_pairs, sender_batches
 def _trusted_classes() -> set[type]:
     """Every class a purepp module builds with a trusted constructor."""
     found = set()
-    for module in (purepp.relay, purepp.dp, purepp.rank):
+    for module in (purepp.relay, purepp.dp, purepp.rank, purepp.effects.io):
         for value in vars(module).values():
             if isinstance(value, types.FunctionType) and value.__code__.co_filename.startswith(
                 "<purepp.trusted "
@@ -97,7 +101,24 @@ def test_the_library_builds_effects_and_states_with_trusted_constructors() -> No
     names = {cls.__name__ for cls in TRUSTED}
     assert {"Broadcast", "Allocate", "Release", "RelayState", "PendingReceive"} <= names
     assert {"AllReduce", "PendingAgreement", "DPSyncState", "DispatchOutcome"} <= names
-    assert {"Begun", "Agreed", "RankState", "Agreeing"} <= names
+    assert {"Begun", "Agreed", "RankState", "Agreeing", "TensorSpec"} <= names
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int32"])
+@pytest.mark.parametrize("shape", [(0,), (3,), (4, 2)])
+def test_an_io_spec_is_what_tensorspec_would_build(dtype: str, shape: tuple[int, ...]) -> None:
+    """Both StepIOs build the spec of a caller's tensor with a trusted constructor."""
+    numpy_interpreter = NumpyInterpreter()
+    torch_interpreter = TorchInterpreter(device=torch.device("cpu"), groups={}, rank=0)
+    ref = BufferRef("caller")
+    numpy_interpreter.bind(ref, np.zeros(shape, dtype=dtype))
+    torch_interpreter.bind(ref, torch.zeros(shape, dtype=getattr(torch, dtype)))
+    for io in (NumpyIO(numpy_interpreter), TorchIO(torch_interpreter)):
+        spec = io.spec(ref)
+        assert _rebuilt_equal(spec) == 1
+        assert spec == TensorSpec(shape=shape, dtype=DType(dtype))
+        assert type(spec.shape) is tuple
+        assert all(type(n) is int for n in spec.shape)
 
 
 @settings(max_examples=60, deadline=None)

@@ -9,6 +9,7 @@ import numpy.typing as npt
 
 from purepp._checks import check_instance
 from purepp._text import a_type, with_article
+from purepp._trusted import trusted
 from purepp.effects.arrays import IntArray
 from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.vocabulary import BufferRef, DType, TensorSpec
@@ -21,16 +22,23 @@ if TYPE_CHECKING:
 
 __all__ = ["NumpyIO", "TorchIO"]
 
-_DTYPES = {"int64": DType.INT64, "int32": DType.INT32}
+# A spec is asked for every caller tensor a step reads: built from the tensor's own shape
+# (a tuple of ints) and a dtype looked up by the dtype object, nothing to convert or check.
+_TensorSpec = trusted(TensorSpec)
+_NUMPY_DTYPES = {np.dtype(np.int64): DType.INT64, np.dtype(np.int32): DType.INT32}
 
 
-def _spec(call: str, ref: BufferRef, shape: tuple[int, ...], dtype: str) -> TensorSpec:
-    kind = _DTYPES.get(dtype)
-    if kind is None:
+def _spec(
+    call: str, ref: BufferRef, shape: tuple[int, ...], dtype: DType | None, shown: object
+) -> TensorSpec:
+    """The spec of the tensor bound to `ref`; `dtype` None: its dtype `shown` is neither."""
+    if dtype is None:
         raise InterpreterError(
-            call, f"buffer {ref.name!r} is {dtype}", "bind int64 or int32 tensors to relay inputs"
+            call,
+            f"buffer {ref.name!r} is {str(shown).removeprefix('torch.')}",
+            "bind int64 or int32 tensors to relay inputs",
         )
-    return TensorSpec(shape=shape, dtype=kind)
+    return _TensorSpec(shape=shape, dtype=dtype)
 
 
 def _host_int32(call: str, values: object) -> npt.NDArray[Any]:
@@ -59,7 +67,8 @@ class NumpyIO:
 
     def spec(self, ref: BufferRef, /) -> TensorSpec:
         array = self.interpreter.tensor(ref)
-        return _spec("NumpyIO.spec", ref, tuple(array.shape), str(array.dtype))
+        dtype = array.dtype
+        return _spec("NumpyIO.spec", ref, array.shape, _NUMPY_DTYPES.get(dtype), dtype)
 
     def upload(self, values: IntArray, /) -> npt.NDArray[Any]:
         return np.array(_host_int32("NumpyIO.upload", values), copy=True)
@@ -73,19 +82,21 @@ class TorchIO:
     """Caller tensors bound in a `TorchInterpreter` (CUDA or CPU)."""
 
     def __init__(self, interpreter: TorchInterpreter) -> None:
-        from purepp.effects.torch_interpreter import TorchInterpreter  # torch only when used
+        import torch  # only when used
+
+        from purepp.effects.torch_interpreter import TorchInterpreter
 
         check_instance("TorchIO", "interpreter", interpreter, TorchInterpreter)
         self.interpreter = interpreter
+        self._dtypes = {torch.int64: DType.INT64, torch.int32: DType.INT32}
 
     def bind(self, ref: BufferRef, value: torch.Tensor, /) -> None:
         self.interpreter.bind(ref, value)
 
     def spec(self, ref: BufferRef, /) -> TensorSpec:
         tensor = self.interpreter.tensor(ref)
-        return _spec(
-            "TorchIO.spec", ref, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
-        )
+        dtype = tensor.dtype
+        return _spec("TorchIO.spec", ref, tuple(tensor.shape), self._dtypes.get(dtype), dtype)
 
     def upload(self, values: IntArray, /) -> torch.Tensor:
         import torch
