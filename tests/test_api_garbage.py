@@ -1177,6 +1177,15 @@ def test_a_phase_value_built_by_hand_is_checked_field_by_field(good: Any, field:
         attrs.evolve(good, **{field: "garbage"})
 
 
+def test_a_wrong_field_is_named_with_the_types_it_takes() -> None:
+    with pytest.raises(InvalidInputError) as caught:
+        attrs.evolve(STARTED, agreeing="garbage")
+    assert str(caught.value) == (
+        "Begun: agreeing has type str, not Agreeing or None. Fix: pass agreeing as Agreeing "
+        "or None (attrs.evolve the Begun a phase returned, keeping the types of its fields)"
+    )
+
+
 def test_a_subclass_of_a_phase_value_is_checked_as_its_phase_class() -> None:
     """The phases take subclasses (isinstance): one builds, and its fields are checked."""
 
