@@ -31,7 +31,8 @@ _NUMPY_DTYPES = {np.dtype(np.int64): DType.INT64, np.dtype(np.int32): DType.INT3
 def _spec(
     call: str, ref: BufferRef, shape: tuple[int, ...], dtype: DType | None, shown: object
 ) -> TensorSpec:
-    """The spec of the tensor bound to `ref`; `dtype` None: its dtype `shown` is neither."""
+    """The spec of the tensor bound to `ref`; `dtype` is None when the tensor's dtype
+    (`shown`, named in the error) is neither int64 nor int32."""
     if dtype is None:
         raise InterpreterError(
             call,
