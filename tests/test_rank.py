@@ -385,6 +385,21 @@ def test_the_agreement_dispatches_with_the_shapes_active_lora_count() -> None:
             ShapeFacts(num_tokens=4, num_active_loras=bad)  # type: ignore[arg-type]
 
 
+def test_both_ios_upload_a_copy_of_the_host_array() -> None:
+    """`StepIO.upload` makes a new tensor: the caller may reuse its array at once."""
+    import torch
+
+    values = np.array([3, 1, 2], dtype=np.int32)
+    ios: tuple[NumpyIO, TorchIO] = (
+        NumpyIO(NumpyInterpreter()),
+        TorchIO(TorchInterpreter(device=torch.device("cpu"), groups={}, rank=0)),
+    )
+    uploaded = [io.upload(values) for io in ios]
+    values[:] = 0
+    for tensor in uploaded:
+        assert tensor.tolist() == [3, 1, 2]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "int16", "uint8"])
 def test_torch_io_refuses_the_spec_of_a_tensor_neither_int64_nor_int32(dtype: str) -> None:
     """The torch interpreter binds any tensor; its spec names the call, the buffer and the
