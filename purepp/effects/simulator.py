@@ -122,6 +122,8 @@ class _Rank:
     def __init__(self, context: RankContext, program: Iterator[tuple[Effect, ...]]) -> None:
         self.context = context
         self.interpreter = context.interpreter
+        # its pipeline's stages, which it may run at most `max_steps_in_flight` ahead of
+        self.pipeline = comm_group(context.world, context.rank, Communicator.PP_CPU)
         self.program = program
         self.pending: deque[Effect] = deque()  # effects yielded and not yet issued
         self.yields = 0  # tuples the program has yielded
@@ -144,8 +146,8 @@ class _Rank:
     def at_step(self) -> int | None:
         """The step this rank is working on (every earlier step is fully issued); None
         once its program has ended and everything it yielded is issued."""
-        stalls = self.interpreter.stalls()
         if self.interpreter.host_blocked():
+            stalls = self.interpreter.stalls()
             return next(s.effect.step for s in stalls if s.stream is Stream.MAIN)
         if self.pending:
             return self.pending[0].step
@@ -220,12 +222,15 @@ class _Simulation:
         )
 
     def _pump(self) -> None:
-        """Run whatever the last issue made runnable, on every rank, until nothing moves."""
-        moved = True
-        while moved:
-            moved = False
-            for rank in self._ranks:
-                moved |= rank.interpreter.advance()
+        """Run whatever completed collectives released, on every rank they touched, until
+        nothing completes. (A rank's queues change only when an effect is issued to it,
+        which runs what it can at once, or when a collective it waits on completes.)"""
+        hub = self._hub
+        while hub.completed_ranks:
+            touched = sorted(hub.completed_ranks)
+            hub.completed_ranks.clear()
+            for rank in touched:
+                self._ranks[rank].interpreter.advance()
 
     def _advance(self, rank: _Rank) -> bool:
         """Issue `rank`'s effects until it blocks, ends or would run too far ahead."""
@@ -258,7 +263,7 @@ class _Simulation:
 
     def _held_back_by(self, rank: _Rank, step: int) -> tuple[int, ...]:
         """Pipeline peers too far behind for `rank` to issue an effect of `step`."""
-        peers = comm_group(self._world, rank.context.rank, Communicator.PP_CPU)
+        peers = rank.pipeline
         # Step s may start once every stage has issued all of step s - max_steps_in_flight.
         limit = step - self._in_flight
         held_back_by: list[int] = []
