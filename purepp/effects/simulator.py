@@ -131,6 +131,9 @@ class _Rank:
         self.issued: list[Effect] = []  # every effect issued, in order
         # the step of the last effect issued that was not an agreement started ahead
         self.order_step: int | None = None
+        # steps up to this one may be issued without checking the pipeline again: its
+        # stages only move forward, so a step once allowed stays allowed
+        self.allowed_step = -1
 
     def ahead(self, effect: Effect) -> bool:
         """Whether `effect` is a later step's agreement started within this step: an
@@ -249,8 +252,10 @@ class _Simulation:
                 continue
             effect = rank.pending[0]
             ahead = rank.ahead(effect)
-            if not ahead and self._held_back_by(rank, effect.step):
-                return progressed
+            if not ahead and effect.step > rank.allowed_step:
+                if self._held_back_by(rank, effect.step):
+                    return progressed
+                rank.allowed_step = effect.step
             _check_order(rank, effect, ahead)
             rank.pending.popleft()
             rank.issued.append(effect)
