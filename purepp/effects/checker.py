@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final, TextIO
 
@@ -219,6 +220,7 @@ class _Check:
         self._directory = directory
         self._in_flight_option = max_steps_in_flight
         self._ranks: list[_RankReplay] = []
+        self._advancers: list[Callable[[], object]] = []  # each rank's `lanes.advance`
         self._cut_headers: tuple[CutHeader, ...] = ()
         self._cut_by_rank: dict[int, CutHeader] = {}  # of the ranks they are known to be
 
@@ -334,6 +336,7 @@ class _Check:
             _RankReplay(rank, world, by_rank.get(rank), StreamLanes(rank, self._hub))
             for rank in range(world.world_size)
         ]
+        self._advancers = [r.lanes.advance for r in self._ranks]
         self._names = {s.path.name: s.header.rank for s in streams}
         try:
             while not self._done():
@@ -386,18 +389,9 @@ class _Check:
                     rank.collectives += 1
                 lanes.issue(effect)
                 if hub.completed_ranks:
-                    self._pump()
+                    hub.run_completed(self._advancers)
             progressed = True
         return progressed
-
-    def _pump(self) -> None:
-        """Run whatever completed collectives released, on every rank they touched."""
-        hub = self._hub
-        while hub.completed_ranks:
-            touched = sorted(hub.completed_ranks)
-            hub.completed_ranks.clear()
-            for rank in touched:
-                self._ranks[rank].lanes.advance()
 
     def _held_back_by(self, rank: _RankReplay, step: int) -> tuple[int, ...]:
         """Pipeline peers too far behind for `rank` to issue an effect of `step`."""

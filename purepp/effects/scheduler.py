@@ -19,7 +19,7 @@ step reads are not in the log, so data could not move anyway.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Final, TypeAlias, assert_never
 
 import attrs
@@ -108,7 +108,7 @@ class CollectiveHub:
     agreement (`StageAgreements`; pp > 1 only). With
     `compare_steps=False` the step labels are ignored when comparing (as on the wire)
     and the report shows them as labelled. `completed_ranks` collects the ranks
-    whose posts completed since the caller last cleared it.
+    whose posts completed since `run_completed` last ran them.
     """
 
     def __init__(
@@ -137,6 +137,17 @@ class CollectiveHub:
             divergence = stages.post(posted.rank, effect)
             if divergence is not None:
                 raise CollectiveReportError.from_report(self._call, divergence)
+
+    def run_completed(self, advancers: Sequence[Callable[[], object]]) -> None:
+        """Call `advancers[rank]()` for every rank whose posts completed since the last
+        call, until advancing completes no more: after an issue, only those ranks' queues
+        can move (the issuing rank ran what it could when it issued)."""
+        completed = self.completed_ranks
+        while completed:
+            touched = sorted(completed)
+            completed.clear()
+            for rank in touched:
+                advancers[rank]()
 
     def raise_held(self) -> None:
         """Raise the stages' divergence held back for an agreement some stage never

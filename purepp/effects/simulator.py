@@ -196,6 +196,7 @@ class _Simulation:
                     "return an iterator of effect tuples (write the program as a generator)",
                 ) from None
             self._ranks.append(_Rank(context, steps))
+        self._advancers = [r.interpreter.advance for r in self._ranks]
 
     def run(self) -> SimulationResult:
         while not self._done():
@@ -224,17 +225,6 @@ class _Simulation:
             and not self._hub.incomplete()
         )
 
-    def _pump(self) -> None:
-        """Run whatever completed collectives released, on every rank they touched, until
-        nothing completes. (A rank's queues change only when an effect is issued to it,
-        which runs what it can at once, or when a collective it waits on completes.)"""
-        hub = self._hub
-        while hub.completed_ranks:
-            touched = sorted(hub.completed_ranks)
-            hub.completed_ranks.clear()
-            for rank in touched:
-                self._ranks[rank].interpreter.advance()
-
     def _advance(self, rank: _Rank) -> bool:
         """Issue `rank`'s effects until it blocks, ends or would run too far ahead."""
         progressed = False
@@ -260,7 +250,7 @@ class _Simulation:
             rank.pending.popleft()
             rank.issued.append(effect)
             rank.interpreter.issue(effect)
-            self._pump()
+            self._hub.run_completed(self._advancers)
             progressed = True
             if rank.interpreter.host_blocked():
                 self._check_overrun(rank)
