@@ -112,6 +112,7 @@ HEADER_SHAPE = (2,)  # shape of the opt-in relay header: [step, request count] i
 # The header's step wraps: it is int32 on the wire, and a server may run past 2**31 steps.
 _HEADER_STEP_MODULUS = 2**31
 _ALIGN = 16  # bytes: every packed section starts on a 16-byte boundary
+_FEW_SLOTS = 16  # frees up to this many slots bump them one by one
 
 # The steps build every effect from values they have checked, with the trusted
 # constructors (purepp._trusted: half the cost of attrs's). Enum members they use on
@@ -518,9 +519,15 @@ def free_request_slots(
             "free only slots below max_num_reqs",
         )
     # One count per occurrence (a slot freed twice gains 2); a new table, so consume
-    # sees that something was freed.
-    bumps = np.bincount(indices.astype(np.intp, copy=False), minlength=config.max_num_reqs)
-    generations = (state.generations + bumps).astype(np.int32, copy=False)
+    # sees that something was freed. A step frees a few slots: one item add each beats
+    # counting them all (bincount, an add, a cast) until there are dozens.
+    if len(values) <= _FEW_SLOTS:
+        generations = state.generations.copy()
+        for value in values:
+            generations[value] += 1
+    else:
+        bumps = np.bincount(indices.astype(np.intp, copy=False), minlength=config.max_num_reqs)
+        generations = (state.generations + bumps).astype(np.int32, copy=False)
     new_state = _RelayState(
         step=state.step,
         ring=state.ring,

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from purepp.batch import BatchFacts, need_sampled_mask
-from purepp.effects.arrays import frozen
+from purepp.effects.arrays import frozen, is_frozen
 from purepp.effects.vocabulary import (
     Alias,
     Allocate,
@@ -192,6 +192,29 @@ def test_free_request_slots_bumps_once_per_occurrence(dtype: type | None) -> Non
     state = free_request_slots(config, init_relay(config), arg).state
     assert state.generations.tolist() == [0, 3, 0, 1, 1]
     assert free_request_slots(config, state, []).state == state
+
+
+@given(
+    st.lists(st.integers(0, 11), max_size=60),
+    st.lists(st.integers(0, 11), max_size=60),
+)
+@settings(max_examples=60)
+def test_free_request_slots_counts_every_occurrence_over_successive_frees(
+    first: list[int], second: list[int]
+) -> None:
+    """A few slots and dozens alike (the step bumps few one by one, many by counting)."""
+    config = cfg(max_num_reqs=12)
+    state = init_relay(config)
+    before = state.generations
+    once = free_request_slots(config, state, first).state
+    twice = free_request_slots(config, once, np.array(second, dtype=np.int64)).state
+    assert once.generations.tolist() == [first.count(s) for s in range(12)]
+    assert twice.generations.tolist() == [(first + second).count(s) for s in range(12)]
+    for freed in (once, twice):
+        assert is_frozen(freed.generations)
+        assert freed.generations.dtype == np.int32
+    assert before.tolist() == [0] * 12  # the states it was given are untouched
+    assert once.generations.tolist() == [first.count(s) for s in range(12)]
 
 
 @pytest.mark.parametrize("slot", [-1, 5, 6, 1000])
