@@ -18,9 +18,10 @@ How a replay runs (all on S, with no host sync):
 1. the prefix is performed as eager would (waits on other streams, host copies);
 2. an instance is picked (below), captured first if none fits and fewer than `copies`
    exist; if none can be had, the rest of the batch runs as the plan;
-3. inputs the segment only reads are copied into the instance's static buffers; the
-   host arrays of CopyHostToDevice go through fresh pinned staging with a
-   non-blocking copy into their static device buffers (both outside the graph);
+3. inputs the segment only reads are copied into the instance's static buffers (one
+   `_foreach_copy_` per dtype: one launch for several inputs); the host arrays of
+   CopyHostToDevice go through fresh pinned staging with a non-blocking copy into
+   their static device buffers (both outside the graph);
 4. the graph is launched on S (a graph that captured no node, such as a one-rank
    NCCL broadcast in place, is not launched);
 5. the names are bound as eager would bind them, to the instance's static outputs
@@ -208,6 +209,8 @@ class _Capturable:
     plan: Plan  # the plan it was analysed from
     instances: list[_Instance] = attrs.Factory(list)
     turn: int = 0  # the instance tried first next time
+    # `copied` by dtype, from the first staging (a prefix may bind some of them)
+    copy_groups: tuple[tuple[int, ...], ...] | None = None
 
 
 def replay(
@@ -288,11 +291,27 @@ def _stage(
     buffers = interp.env.buffers
     cuda = stream is not None
     recorded = capturable.recorded
-    for position in capturable.copied:
-        tensor = buffers[typing.cast(BufferRef, names[position])]
-        slots[position].copy_(tensor, non_blocking=True)
-        if stream is not None and position not in recorded:
-            tensor.record_stream(stream)  # read on S: keep its memory until S is past it
+    groups = capturable.copy_groups
+    if groups is None:
+        # Every later run binds the same dtypes there: the plan's guard holds its inputs'
+        # layouts, and the batch's own effects fix the dtypes of what it binds itself.
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for position in capturable.copied:
+            dtype = buffers[typing.cast(BufferRef, names[position])].dtype
+            by_dtype.setdefault(dtype, []).append(position)
+        groups = capturable.copy_groups = tuple(tuple(group) for group in by_dtype.values())
+    for group in groups:
+        tensors = [buffers[typing.cast(BufferRef, names[p])] for p in group]
+        if len(group) == 1:
+            slots[group[0]].copy_(tensors[0], non_blocking=True)
+        else:
+            # One launch for inputs of one dtype, where a copy_ each is a launch each
+            # (three copies on the H200 host: 22-24 µs by copy_, 7.5 µs by one call).
+            torch._foreach_copy_([slots[p] for p in group], tensors, non_blocking=True)
+        if stream is not None:
+            for position, tensor in zip(group, tensors, strict=True):
+                if position not in recorded:
+                    tensor.record_stream(stream)  # read on S: keep it until S is past it
     for index, position, _ in capturable.host:
         source = typing.cast(CopyHostToDevice, effects[index]).source
         if cuda:
