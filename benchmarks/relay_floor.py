@@ -96,7 +96,7 @@ def cuda_calls(
         "torch.cuda.current_stream()": lambda: current(device),
         "pinned staging + copy_ [64] int32": pinned_h2d,
         "graph.replay() of one kernel": one.replay,
-        "graph.replay() of scatter_rows (7 kernels)": graph.replay,
+        "graph.replay() of scatter_rows with skips (3 kernels)": graph.replay,
         "graph.replay() of a pad + NCCL broadcast": send.replay,
     }
 

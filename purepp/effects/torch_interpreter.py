@@ -7,8 +7,8 @@ kernel completes before the next effect starts, so streams and events are no-ops
 (events still get a marker, so waiting on an unrecorded one is still an error).
 
 A steady-state step never synchronises the host with the device: host arrays
-reach the device through pinned staging memory, and the in-place row scatter writes
-every row as an addition (zero for skipped rows) instead of filtering on the host.
+reach the device through pinned staging memory, and the in-place row scatter sends
+skipped rows to a spare row instead of filtering them on the host.
 
 The hot path is lean: one handler per effect kind from a dict, the current stream
 switched only when a kernel's stream differs from the last one's (the caller's stream
@@ -1021,19 +1021,20 @@ def scatter_rows(
     """`target[index[i]] = source[i]` where `index[i] != -1`, queued with no host sync.
 
     Without skipped rows (`skips` False) that is one indexed write. Otherwise filtering
-    the skipped rows would need their count on the host, so every row is written as an
-    addition: a kept row adds (new - old) to its slot, a skipped row adds zero to row 0.
-    Integer addition makes the result exact in any order, and neither the index nor the
-    table is copied to the host or copied whole (kept rows name distinct slots; the
-    relay maps each slot to one row).
+    the skipped rows would need their count on the host, so the rows are written into a
+    copy of the table with one spare row at its end, which index -1 names (a negative
+    index counts from the end), and the table's own rows are copied back: three kernels
+    (the add of each row's change it replaces took six: 20 against 10 µs of host time
+    for 64 rows on CPU). Skipped rows may collide in the spare row, which is dropped;
+    kept rows name distinct slots (the relay maps each slot to one row), so the result
+    is exact, and the index never reaches the host.
     """
     if not skips:
         target.index_put_((index,), source)
         return
-    keep = index != -1
-    rows = index.clamp(min=0)  # int32 or int64: both index kernels take either
-    delta = (source - target.index_select(0, rows)) * keep.view(-1, *([1] * (source.ndim - 1)))
-    target.index_add_(0, rows, delta)
+    spare = torch.cat((target, target[:1]))
+    spare.index_put_((index,), source)
+    target.copy_(spare[:-1])
 
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:
