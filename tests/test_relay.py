@@ -213,7 +213,8 @@ def test_free_request_slots_counts_every_occurrence_over_successive_frees(
     for freed in (once, twice):
         assert is_frozen(freed.generations)
         assert freed.generations.dtype == np.int32
-    assert before.tolist() == [0] * 12  # the states it was given are untouched
+    # The states each free was given are untouched, `once` by the second free too.
+    assert before.tolist() == [0] * 12
     assert once.generations.tolist() == [first.count(s) for s in range(12)]
 
 
