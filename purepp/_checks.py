@@ -11,6 +11,7 @@ import operator
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from purepp._text import a_type, with_article
 from purepp.errors import ConfigError, InvalidInputError
@@ -23,6 +24,7 @@ __all__ = [
     "check_int",
     "check_interpreter",
     "check_optional_int",
+    "host_array",
     "store_ints",
 ]
 
@@ -74,6 +76,24 @@ def check_optional_int(
     if value is None:
         return None
     return check_int(call, name, value, lo, hi, fix=fix or f"pass {name} in {lo}..{hi}, or None")
+
+
+def host_array(call: str, name: str, values: object, *, fix: str = "") -> npt.NDArray[Any]:
+    """`values` (an array, a list, a CPU tensor) as a numpy array, or a typed error.
+
+    A device tensor is refused rather than copied: reading it would make the host wait
+    for the device, every step. Ragged lists are refused too (numpy raises for them).
+    """
+    try:
+        return np.asarray(values)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise InvalidInputError(
+            call,
+            f"{name} is {a_type(values)} that numpy cannot read as an array ({error})",
+            fix
+            or f"pass {name} as host integers (a numpy array, a list or a CPU tensor); for a "
+            "device tensor, pass the host array it was copied from",
+        ) from None
 
 
 def check_bool(call: str, name: str, value: Any, *, config: bool = False) -> bool:

@@ -10,7 +10,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from purepp._checks import INT32_MAX
+from purepp._checks import INT32_MAX, host_array
 from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray
 from purepp.errors import InvalidInputError
 
@@ -65,7 +65,7 @@ def _int32_row(name: str, values: npt.ArrayLike) -> npt.NDArray[Any]:
     """One of the four as a 1-D integer array that fits int32 (the long way: a list, another
     integer dtype, a cast)."""
     call = "BatchFacts"
-    array = np.asarray(values)
+    array = host_array(call, name, values)
     if array.size == 0:
         array = array.astype(np.int32)
     if array.dtype.kind not in "iu":  # bool is kind "b"

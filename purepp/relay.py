@@ -46,7 +46,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from purepp._checks import INT32_MAX
+from purepp._checks import INT32_MAX, host_array
 from purepp._text import a_type, with_article
 from purepp._trusted import trusted
 from purepp.batch import BatchFacts
@@ -501,7 +501,7 @@ def free_request_slots(
     """Bump the generation of every slot in `slots` (once per occurrence)."""
     call = "free_request_slots"
     _check_state(call, config, state)
-    given = np.asarray(slots)
+    given = host_array(call, "slots", slots)
     if not given.size:
         return Step(state, (), None)
     # A float would be truncated and a bool mask read as slots 0/1: both free the wrong slot.

@@ -319,7 +319,7 @@ CASES: dict[str, Case] = {
     "NumpyInterpreter.bind ragged": (
         lambda: NumpyInterpreter().bind(REF, [[1], [1, 2]]),
         InvalidInputError,
-        "NumpyInterpreter.bind: 'probe' got a value numpy cannot read",
+        "NumpyInterpreter.bind: the value for 'probe' is a list that numpy cannot read",
     ),
     "NumpyInterpreter.tensor str": (
         lambda: NumpyInterpreter().tensor("nope"),  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -287,6 +288,9 @@ GARBAGE = st.one_of(
     st.just(np.array([[0, 1]])),
     st.just(np.array([2**31, 0], np.int64)),
     st.just(np.array([1, 1])),
+    st.just([[0, 1], [2]]),  # ragged: numpy raises for it
+    # A device tensor: numpy cannot read it without a copy (meta stands in for CUDA).
+    st.just(torch.zeros(2, dtype=torch.int32, device="meta")),
     st.just(init_relay(OTHER)),
     st.just(init_relay(SENDER)),
     st.just(OTHER),

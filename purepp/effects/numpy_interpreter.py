@@ -50,7 +50,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from purepp._checks import INT32_MAX, check_int
+from purepp._checks import INT32_MAX, check_int, host_array
 from purepp._text import a_type
 from purepp.effects._environment import Environment, effect_call, itemsize
 from purepp.effects.vocabulary import (
@@ -366,12 +366,7 @@ class NumpyInterpreter:
         """
         call = "NumpyInterpreter.bind"
         self._env.check_rebindable(call, ref)
-        try:
-            value = np.asarray(array)
-        except (ValueError, TypeError) as error:  # a ragged list, an object numpy refuses
-            raise InvalidInputError(
-                call, f"{ref.name!r} got a value numpy cannot read as an array ({error})", _BIND_FIX
-            ) from None
+        value = host_array(call, f"the value for {ref.name!r}", array, fix=_BIND_FIX)
         allowed = {numpy_dtype(d) for d in DType}
         if value.dtype not in allowed:
             raise InvalidInputError(
