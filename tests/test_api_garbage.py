@@ -1050,6 +1050,9 @@ SCALARS = st.one_of(
     st.none(),
     st.text(max_size=2),
     st.sampled_from([np.int64(1), np.int32(0), np.float64(1.0), np.bool_(True), (0,), [1]]),
+    st.just([[0, 1], [2]]),  # ragged: numpy raises for it
+    # A device tensor: numpy cannot read it without a copy (meta stands in for CUDA).
+    st.just(torch.zeros(2, dtype=torch.int32, device="meta")),
 )
 
 
