@@ -851,3 +851,27 @@ def test_the_public_names_exist() -> None:
 
     for module in (purepp.dp, purepp.cudagraph):
         assert all(hasattr(module, name) for name in module.__all__)
+
+
+@pytest.mark.parametrize(
+    ("build", "name", "low"),
+    [
+        (
+            lambda: RankBatch(num_reqs=1, num_tokens=1, uniform_token_count=0),
+            "uniform_token_count",
+            1,
+        ),
+        (lambda: RankBatch(num_reqs=1, num_tokens=1, max_query_len=0), "max_query_len", 1),
+        (
+            lambda: BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=4, num_reqs=-1),
+            "num_reqs",
+            0,
+        ),
+    ],
+)
+def test_an_optional_count_out_of_range_says_that_none_is_allowed(
+    build: Any, name: str, low: int
+) -> None:
+    with pytest.raises(InvalidInputError) as caught:
+        build()
+    assert caught.value.fix == f"pass {name} in {low}..{2**31 - 1}, or None"
