@@ -259,3 +259,46 @@ def test_replays_match_eager_and_never_overwrite_a_held_receive(
     instances = [len(plan.capture.instances) for plan in plans if plan.capture is not None]
     assert instances
     assert max(instances) <= copies
+
+
+def test_a_replayed_program_leaves_every_buffer_as_eager_does(
+    gloo: dict[Communicator, dist.ProcessGroup], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After every batch, replays and eager have bound the same names to the same values:
+    with a host array staged into a graph (the consume's index, copied in before each
+    replay) and inputs of one dtype copied in together (the send's two int32 counts)."""
+    monkeypatch.setattr(capture, "_record", _emulated_record)
+    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")  # gloo stands in
+
+    def run(interp: TorchInterpreter) -> list[dict[str, object]]:
+        def bind(ref: BufferRef, values: Any) -> None:
+            interp.bind(ref, torch.from_numpy(values.copy()))
+
+        seen = []
+        for batch in programs.program(30, bind):
+            interp.perform(batch)
+            pending = interp.env.pending_results  # an all-reduce's table: not yet readable
+            seen.append(
+                {
+                    ref.name: interp.tensor(ref).tolist()
+                    for ref in interp.bound_refs()
+                    if isinstance(ref, BufferRef) and ref not in pending
+                }
+            )
+        return seen
+
+    captured = TorchInterpreter(device=CPU, groups=gloo, rank=0, plans=True)
+    planner = captured.planner
+    assert planner is not None
+    planner._capture, planner._guarded, planner._copies = True, True, 3
+    assert run(captured) == run(TorchInterpreter(device=CPU, groups=gloo, rank=0))
+    analysed = [
+        plan.capture
+        for family in planner._plans.values()
+        for plan in family.plans
+        if plan.capture is not None
+    ]
+    assert planner.replayed > 30
+    assert any(capturable.host for capturable in analysed)
+    groups = [group for capturable in analysed for group in capturable.copy_groups or ()]
+    assert any(len(group) > 1 for group in groups)
