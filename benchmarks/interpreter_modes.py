@@ -20,6 +20,11 @@ of a fresh tensor every step, so a captured step reads its inputs in place rathe
 copying them into the graph's buffers. It measures what that staging costs; a real
 caller binds fresh tensors (the relay holds its inputs past the step, README).
 
+On CUDA the table also gives, for the captured mode, the host time spent inside the
+graph launches per step (each instance's launch wrapped in a timer): the rest of the
+captured figure is the replay around them (choosing an instance, staging inputs,
+switching streams, binding names).
+
 `time_actions` is the hook other benchmarks use: it times any recorded effect program.
 """
 
@@ -37,6 +42,7 @@ import torch.distributed as dist
 
 from benchmarks.one_rank import one_rank_world
 from purepp.batch import BatchFacts
+from purepp.effects import capture
 from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.effects.vocabulary import BufferRef, Communicator, DType, Effect, TensorSpec
 from purepp.relay import (
@@ -151,12 +157,15 @@ def time_actions(
     *,
     warm: int,
     sync: Callable[[], None],
+    timed: Callable[[], None] = lambda: None,
 ) -> tuple[float, TorchInterpreter]:
-    """Host µs per step of one round on a fresh interpreter, after `warm` untimed steps."""
+    """Host µs per step of one round on a fresh interpreter, after `warm` untimed steps
+    (`timed` is called as the timed steps begin)."""
     interp = make()
     first = starts[warm]
     perform(interp, actions[:first])
     sync()
+    timed()
     began = time.perf_counter()
     perform(interp, actions[first:])
     elapsed = time.perf_counter() - began
@@ -170,6 +179,34 @@ MODES: dict[str, dict[str, bool | int]] = {
     "plan": {"plans": True},
     "captured": {"capture": True, "capture_copies": 3},  # ring depth 2 + 1
 }
+
+
+class LaunchTimer:
+    """Wraps every graph instance's launch to add up the host time spent inside it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._record = capture._record
+
+    def __enter__(self) -> LaunchTimer:
+        def record(kernels: list[capture.Kernel], slots: capture.Slots) -> Callable[[], None]:
+            launch = self._record(kernels, slots)
+
+            def timed_launch() -> None:
+                began = time.perf_counter()
+                launch()
+                self.seconds += time.perf_counter() - began
+
+            return timed_launch
+
+        capture._record = record
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        capture._record = self._record
+
+    def reset(self) -> None:
+        self.seconds = 0.0
 
 
 def _maker(
@@ -221,8 +258,10 @@ def run(
         f"host µs per relay step ({device}, {steps - warm} timed steps, median of {rounds}; "
         f"{bound} input tensors)"
     )
-    print("| case | " + " | ".join(modes) + " | plan/eager | counters (plan, captured) |")
-    print("| --- " * (len(modes) + 3) + "|")
+    split = ["captured: in launches"] if cuda else []
+    columns = [*modes, *split, "plan/eager", "counters (plan, captured)"]
+    print("| case | " + " | ".join(columns) + " |")
+    print("| --- " * (len(columns) + 1) + "|")
     for role in ("receiver", "sender"):
         for rows in (8, 64, 256):
             for spec in (0, 3):
@@ -230,15 +269,24 @@ def run(
                 if persistent:
                     actions = persistent_inputs(actions)
                 makers = {mode: _maker(device, groups, MODES[mode]) for mode in modes}
-                times: dict[str, list[float]] = {mode: [] for mode in modes}
+                times: dict[str, list[float]] = {mode: [] for mode in [*modes, *split]}
                 last: dict[str, TorchInterpreter] = {}
                 for _ in range(rounds):  # interleaved, so load changes hit every mode alike
                     for mode in modes:
-                        figure, last[mode] = time_actions(
-                            makers[mode], actions, starts, warm=warm, sync=sync
-                        )
+                        with LaunchTimer() as launches:
+                            figure, last[mode] = time_actions(
+                                makers[mode],
+                                actions,
+                                starts,
+                                warm=warm,
+                                sync=sync,
+                                timed=launches.reset,
+                            )
                         times[mode].append(figure)
-                figures = {mode: statistics.median(times[mode]) for mode in modes}
+                        if mode == "captured":
+                            per_step = launches.seconds / (len(starts) - warm) * 1e6
+                            times["captured: in launches"].append(per_step)
+                figures = {mode: statistics.median(times[mode]) for mode in times}
                 counters = []
                 for mode in modes:
                     planner = last[mode].planner
@@ -247,7 +295,7 @@ def run(
                             f"{mode}: {planner.lowered} lowered, {planner.planned} planned, "
                             f"{planner.replayed} replayed, {planner.eager} eager"
                         )
-                cells = " | ".join(f"{figures[m]:.1f}" for m in modes)
+                cells = " | ".join(f"{figures[m]:.1f}" for m in [*modes, *split])
                 ratio = figures["plan"] / figures["eager"]
                 print(
                     f"| {role} n={rows} spec={spec} | {cells} | {ratio:.2f} | "

@@ -101,6 +101,16 @@ def cuda_calls(
     }
 
 
+def scatter_by_change(source: torch.Tensor, index: torch.Tensor, target: torch.Tensor) -> None:
+    """The skipping scatter as purepp wrote it before 63e96fa, kept as the baseline of
+    today's `scatter_rows`: each kept row adds its change to its slot, a skipped row (-1)
+    adds zero to slot 0 (six kernels, where the spare-row write takes three)."""
+    keep = index != -1
+    rows = index.clamp(min=0)
+    delta = (source - target.index_select(0, rows)) * keep.view(-1, *([1] * (source.ndim - 1)))
+    target.index_add_(0, rows, delta)
+
+
 def _wait(work: dist.Work | None) -> None:
     """Wait for `work`; a blocking NCCL call returns None, having ordered the stream."""
     if work is not None:
@@ -132,6 +142,14 @@ def main() -> None:
         drafts = torch.zeros((n, 3), dtype=torch.int64, device=device)
         staged = torch.zeros((n, 4), dtype=torch.int64, device=device)  # a capture's static input
         host = np.arange(n, dtype=np.int32)
+        # Three inputs of one dtype staged into a graph's buffers (a sender's counts, say).
+        sources = [torch.ones(n, dtype=torch.int32, device=device) for _ in range(3)]
+        targets = [torch.zeros(n, dtype=torch.int32, device=device) for _ in range(3)]
+
+        def copy_each() -> None:
+            for target, source in zip(targets, sources, strict=True):
+                target.copy_(source, non_blocking=True)
+
         section = Section(buffer=BufferRef("s"), offset=64, shape=(n,), dtype=DType.INT32)
         calls: dict[str, Callable[[], object]] = {
             "torch.empty [64, 4] int64": lambda: torch.empty(
@@ -152,6 +170,13 @@ def main() -> None:
             ),
             "scatter_rows, skips=False [64, 3] into [128, 3]": lambda: scatter_rows(
                 drafts, index.clamp(min=0), table, skips=False
+            ),
+            "the same scatter by each row's change (before 63e96fa)": lambda: scatter_by_change(
+                drafts, index, table
+            ),
+            "copy_ x3, [64] int32 each": copy_each,
+            "torch._foreach_copy_ of the same three": lambda: torch._foreach_copy_(
+                targets, sources, non_blocking=True
             ),
             "torch.from_numpy(host).to(device) [64] int32": lambda: torch.from_numpy(host).to(
                 device, non_blocking=True

@@ -1025,9 +1025,10 @@ def scatter_rows(
     copy of the table with one spare row at its end, which index -1 names (a negative
     index counts from the end), and the table's own rows are copied back: three kernels
     (the sum of each row's change it replaces took six: 64 rows cost 33-38 µs of host
-    time against 50-56 on the H200 host, 9 against 20 on CPU). Skipped rows may collide
-    in the spare row, which is dropped; kept rows name distinct slots (the relay maps
-    each slot to one row), so the result is exact, and the index never reaches the host.
+    time against 50-56 on the H200 host; benchmarks/relay_floor.py times both). Skipped
+    rows may collide in the spare row, which is dropped; kept rows name distinct slots
+    (the relay maps each slot to one row), so the result is exact, and the index never
+    reaches the host.
     """
     if not skips:
         target.index_put_((index,), source)
