@@ -11,6 +11,7 @@ import attrs
 import hypothesis.extra.numpy as hnp
 import hypothesis.strategies as st
 import numpy as np
+import torch
 
 from purepp.batch import BatchFacts
 from purepp.cudagraph import (
@@ -36,6 +37,12 @@ from purepp.effects.vocabulary import (
 )
 from purepp.relay import Platform, RelayConfig
 from purepp.testing import ScheduleConfig
+
+# Values numpy cannot read as an array, for the boundary garbage tests: a ragged list
+# (numpy raises) and a device tensor (meta stands in for CUDA: no copy without a sync).
+UNREADABLE_ARRAYS = st.sampled_from(
+    [[[0, 1], [2]], torch.zeros(2, dtype=torch.int32, device="meta")]
+)
 
 # ---------------------------------------------------------------------------
 # relay: batch facts, relay configurations, step plans (tests/test_relay*.py)

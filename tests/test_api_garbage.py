@@ -95,6 +95,7 @@ from purepp.testing import (
     scripted_rank_effects,
     simulate_schedule,
 )
+from tests.strategies import UNREADABLE_ARRAYS
 
 CONFIG = RelayConfig.for_stage(pp_size=2, stage=0, max_num_reqs=4, num_speculative_steps=1)
 RANK = RankConfig(relay=CONFIG)
@@ -1050,9 +1051,7 @@ SCALARS = st.one_of(
     st.none(),
     st.text(max_size=2),
     st.sampled_from([np.int64(1), np.int32(0), np.float64(1.0), np.bool_(True), (0,), [1]]),
-    st.just([[0, 1], [2]]),  # ragged: numpy raises for it
-    # A device tensor: numpy cannot read it without a copy (meta stands in for CUDA).
-    st.just(torch.zeros(2, dtype=torch.int32, device="meta")),
+    UNREADABLE_ARRAYS,
 )
 
 

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,6 +36,7 @@ from purepp.dp import (
 )
 from purepp.effects.vocabulary import Communicator
 from purepp.errors import PureppError
+from tests.strategies import UNREADABLE_ARRAYS
 
 GARBAGE = st.one_of(
     st.integers(-(2**70), 2**70),
@@ -50,9 +50,7 @@ GARBAGE = st.one_of(
     st.lists(st.integers(0, 3), max_size=3),
     st.sampled_from([object(), b"4", {}, (1, 2), frozenset({0, 1}), Lane.DRAFTER]),
     st.sampled_from([*Communicator, *CaptureMode, *CUDAGraphMode]),
-    st.just([[0, 1], [2]]),  # ragged: numpy raises for it
-    # A device tensor: numpy cannot read it without a copy (meta stands in for CUDA).
-    st.just(torch.zeros(2, dtype=torch.int32, device="meta")),
+    UNREADABLE_ARRAYS,
 )
 
 SPEC = CudaGraphDispatcher(

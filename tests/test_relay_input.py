@@ -18,7 +18,6 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -63,7 +62,7 @@ from purepp.relay import (
 from purepp.step import Step
 from purepp.testing import ScheduleConfig, make_schedule, record_scripted_logs
 from tests.relay_reference import arrays_in
-from tests.strategies import DECODE, PARTIAL, make_batch
+from tests.strategies import DECODE, PARTIAL, UNREADABLE_ARRAYS, make_batch
 
 R = TypeVar("R")
 
@@ -288,9 +287,7 @@ GARBAGE = st.one_of(
     st.just(np.array([[0, 1]])),
     st.just(np.array([2**31, 0], np.int64)),
     st.just(np.array([1, 1])),
-    st.just([[0, 1], [2]]),  # ragged: numpy raises for it
-    # A device tensor: numpy cannot read it without a copy (meta stands in for CUDA).
-    st.just(torch.zeros(2, dtype=torch.int32, device="meta")),
+    UNREADABLE_ARRAYS,
     st.just(init_relay(OTHER)),
     st.just(init_relay(SENDER)),
     st.just(OTHER),
