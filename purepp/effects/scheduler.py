@@ -11,7 +11,8 @@ different columns to their per-stage agreements (field failure 7).
 
 `StreamLanes` is one rank's streams with the interpreter's ordering rules and no
 data: collectives wait for the hub, stream and event waits for the counts of the
-streams they wait on, and every other effect runs at its stream's head. The checker
+streams they wait on; every other effect runs at once at its stream's head, so it
+changes no wait's outcome and is not queued (the checker does not even build it). The checker
 replays logs recorded on hardware through it, where the caller's tensors that a
 step reads are not in the log, so data could not move anyway.
 """
@@ -325,13 +326,6 @@ _NO_DATA: Final = np.empty(0, dtype=np.int64)  # the array a data-free post carr
 
 
 @attrs.define(eq=False)
-class _Run:
-    """A local effect: done as soon as it reaches its stream's head."""
-
-    effect: Effect
-
-
-@attrs.define(eq=False)
 class _Collective:
     """A collective on a stream (or the host): done when the hub completes it."""
 
@@ -356,7 +350,7 @@ class _HostWaitsWork:
     posted: PostedCollective
 
 
-_Queued: TypeAlias = _Run | _Collective | _Wait | _HostWaitsWork
+_Queued: TypeAlias = _Collective | _Wait | _HostWaitsWork
 
 
 class StreamLanes:
@@ -385,15 +379,10 @@ class StreamLanes:
     def idle(self) -> bool:
         return not any(self._queues.values()) and not self._works
 
-    def queued(self) -> int:
-        """Effects issued and not yet run, every stream together."""
-        return sum(len(queue) for queue in self._queues.values())
-
     def issue(self, effect: Effect) -> None:
         """Queue `effect` on its stream and run whatever can run."""
         # The cases in order of how often a log holds them (no effect class is another's
-        # subclass, so the order cannot change which case matches); a collective or a
-        # wait is always queued, so `_queue`'s shortcut for a local effect is left out.
+        # subclass, so the order cannot change which case matches).
         match effect:
             case Broadcast():
                 posted = PostedCollective(self.rank, effect, _NO_DATA)
@@ -444,10 +433,11 @@ class StreamLanes:
                 | ScatterRows()
                 | Pack()
                 | Unpack()
+                | RecordStream()
+                | Release()
+                | Alias()
             ):
-                self._queue(effect.stream, _Run(effect))
-            case RecordStream() | Release() | Alias():
-                pass
+                pass  # local (LOCAL_KINDS): runs at its stream's head, so waits for nothing
             case _:
                 assert_never(effect)
         self.advance()
@@ -476,7 +466,6 @@ class StreamLanes:
                             break
                     elif isinstance(item, _HostWaitsWork) and not item.posted.done:
                         break
-                    # (a `_Run` always runs at the head)
                     queue.popleft()
                     ran[stream] += 1
                     moved = progressed = True
@@ -488,22 +477,10 @@ class StreamLanes:
             if queue:
                 yield stream, queue[0].effect, self._culprit(stream, frozenset())
 
-    def unfinished_works(self) -> tuple[PostedCollective, ...]:
-        return tuple(self._works.values())
-
     def at_step(self) -> int | None:
         """The step of the host's stuck effect, if the host is blocked."""
         queue = self._queues[Stream.MAIN]
         return queue[0].effect.step if queue else None
-
-    def _queue(self, stream: Stream, item: _Queued) -> None:
-        self._issued[stream] += 1
-        queue = self._queues[stream]
-        # An empty stream runs a local effect at once: no need to queue it.
-        if not queue and isinstance(item, _Run):
-            self._ran[stream] += 1
-            return
-        queue.append(item)
 
     def _culprit(self, stream: Stream, seen: frozenset[Stream]) -> PostedCollective | None:
         queue = self._queues[stream]
@@ -515,7 +492,5 @@ class StreamLanes:
                 return None if head.posted.done else head.posted
             case _Wait():
                 return self._culprit(head.on, seen | {stream})
-            case _Run():
-                return None
             case _:
                 assert_never(head)
