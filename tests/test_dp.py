@@ -178,6 +178,13 @@ def test_need_eager_runs_eager_with_this_ranks_own_counts() -> None:
     assert at_once(started) == DispatchOutcome(descriptor=desc(NONE, 5, 3), sync=None)
 
 
+def test_need_eager_takes_numpys_bool_and_keeps_a_python_bool() -> None:
+    # A flag computed with numpy (np.any(...)) is a numpy bool: taken, stored as bool.
+    forced = batch(3, 5, need_eager=np.bool_(True))
+    assert forced.need_eager is True
+    assert batch(3, 5, need_eager=np.bool_(False)).need_eager is False
+
+
 def test_no_dispatcher_without_need_eager_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"^start_agreement: cudagraph dispatcher is None"):
         start(None)
@@ -416,6 +423,11 @@ def test_a_group_with_one_communicator_for_both_lanes_is_a_config_error() -> Non
 
 
 # --- phase 2: the decision ---------------------------------------------------------
+
+
+def test_agreeing_across_no_ranks_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"^agree_across_ranks: batches is empty"):
+        agree_across_ranks(SPEC, [])
 
 
 def test_all_ranks_idle_run_nothing_and_keep_no_sync() -> None:

@@ -385,6 +385,13 @@ def test_the_agreement_dispatches_with_the_shapes_active_lora_count() -> None:
             ShapeFacts(num_tokens=4, num_active_loras=bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("bad", [1, None, "yes"])
+def test_shape_facts_refuse_a_need_eager_that_is_not_a_bool(bad: object) -> None:
+    # 1 or "yes" would reach the DP table as a vote nobody meant.
+    with pytest.raises(InvalidInputError, match=r"^ShapeFacts: need_eager=.*Fix: pass a bool"):
+        ShapeFacts(num_tokens=4, need_eager=bad)  # type: ignore[arg-type]
+
+
 def test_both_ios_upload_a_copy_of_the_host_array() -> None:
     """`StepIO.upload` makes a new tensor: the caller may reuse its array at once."""
     import torch

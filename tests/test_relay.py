@@ -51,6 +51,7 @@ from purepp.relay import (
     broadcast_drafts,
     broadcast_sampled,
     consume_previous_step,
+    default_buckets,
     end_step,
     free_request_slot,
     free_request_slots,
@@ -544,6 +545,43 @@ def test_broadcast_drafts_rejects_bad_input(spec: int, table: TensorSpec) -> Non
     assert_names_call_and_fix(caught.value, "broadcast_drafts")
 
 
+def opt_in(wire: Wire, spec: int) -> RelayConfig:
+    """The last stage of a 4-stage relay with 8 slots on `wire`."""
+    buckets = default_buckets(8) if wire is Wire.FIXED else ()
+    changes = {"stage": 3, "num_speculative_steps": spec}
+    return config_with(changes, wire=wire, buckets=buckets)
+
+
+@pytest.mark.parametrize("wire", [Wire.PACKED, Wire.FIXED])
+def test_broadcast_sampled_on_an_opt_in_wire_with_speculation_needs_the_draft_table(
+    wire: Wire,
+) -> None:
+    # The drafts travel in the same broadcast as the tokens: without their table the
+    # receivers' packed buffer would not match.
+    config = opt_in(wire, spec=2)
+    state = init_relay(config)
+    with pytest.raises(InvalidInputError, match=f"no draft table on the {wire.value} wire"):
+        broadcast_sampled(config, state, batch([0]), tokens(1, 3), None)
+
+
+@pytest.mark.parametrize(("wire", "spec"), [(Wire.SEED, 2), (Wire.PACKED, 0), (Wire.FIXED, 0)])
+def test_broadcast_sampled_refuses_drafts_its_wire_does_not_carry(wire: Wire, spec: int) -> None:
+    # The seed's wire sends drafts by broadcast_drafts; without speculation none are sent.
+    config = opt_in(wire, spec=spec)
+    drafts = TensorSpec((8, max(spec, 1)), DType.INT64)
+    with pytest.raises(InvalidInputError, match=f"drafts given on the {wire.value} wire") as caught:
+        broadcast_sampled(config, init_relay(config), batch([0]), tokens(1, spec + 1), drafts)
+    assert_names_call_and_fix(caught.value, "broadcast_sampled")
+
+
+@pytest.mark.parametrize("wire", [Wire.PACKED, Wire.FIXED])
+def test_broadcast_drafts_on_an_opt_in_wire_says_the_drafts_go_with_the_tokens(wire: Wire) -> None:
+    config = opt_in(wire, spec=2)
+    with pytest.raises(InvalidInputError, match="pass drafts to broadcast_sampled") as caught:
+        broadcast_drafts(config, init_relay(config), batch([0]), TensorSpec((8, 2), DType.INT64))
+    assert_names_call_and_fix(caught.value, "broadcast_drafts")
+
+
 # --- consume_previous_step ----------------------------------------------------------------------
 
 
@@ -881,6 +919,18 @@ def test_the_fixed_wire_refuses_buckets_out_of_order_or_short_of_max_num_reqs(
     shown = re.escape(f"buckets={buckets} with max_num_reqs=8")
     with pytest.raises(ConfigError, match=rf"^RelayConfig: {shown}"):
         config_with({}, wire=Wire.FIXED, buckets=buckets)
+
+
+@pytest.mark.parametrize("wire", [Wire.SEED, Wire.PACKED])
+def test_buckets_belong_to_the_fixed_wire_alone(wire: Wire) -> None:
+    # A bucket list on another wire would be silently ignored: refused instead.
+    with pytest.raises(ConfigError, match=rf"^RelayConfig: buckets=\(8,\) with wire={wire.value}"):
+        config_with({}, wire=wire, buckets=(8,))
+
+
+def test_the_fixed_wire_refuses_an_empty_bucket_list() -> None:
+    with pytest.raises(ConfigError, match=r"^RelayConfig: buckets=\(\).*non-empty tuple"):
+        config_with({}, wire=Wire.FIXED, buckets=())
 
 
 @pytest.mark.parametrize(
