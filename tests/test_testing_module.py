@@ -4,9 +4,12 @@ and scripted worlds on the newest vLLM agreement."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from purepp.batch import BatchFacts
 from purepp.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
+from purepp.effects.simulator import simulate
+from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.effects.vocabulary import (
     Alias,
     Allocate,
@@ -17,8 +20,18 @@ from purepp.effects.vocabulary import (
     Unpack,
     WaitStream,
 )
+from purepp.errors import ConfigError
+from purepp.layout import Layout
 from purepp.relay import RelayConfig, consume_previous_step, init_relay, receive
-from purepp.testing import ScheduleConfig, assert_effect_sequence, make_schedule, simulate_schedule
+from purepp.testing import (
+    ScheduleConfig,
+    assert_effect_sequence,
+    make_schedule,
+    reduced_agreement_table,
+    run_scripted_rank,
+    scripted_program,
+    simulate_schedule,
+)
 
 
 def _receive_effects() -> tuple[Effect, ...]:
@@ -93,3 +106,29 @@ def test_every_rank_agrees_the_same_step_shapes_with_the_newest_six_row_table(
     assert all(agreed == by_rank[0] for agreed in by_rank)
     microbatched = sum(ubatches == 2 for _, ubatches, _ in by_rank[0])
     assert 0 < microbatched < len(by_rank[0])  # the schedule exercises both decisions
+
+
+# --- refusals before anything runs --------------------------------------------------------
+
+
+def test_a_reduced_table_exists_only_in_a_dp_world() -> None:
+    single = make_schedule(ScheduleConfig(pp=2, dp=1, spec=0, steps=2, seed=0))
+    with pytest.raises(ConfigError, match=r"^reduced_agreement_table: step 0 decides without"):
+        reduced_agreement_table(single, 0)
+
+
+def test_a_scripted_program_refuses_to_be_simulated_in_another_world() -> None:
+    # Ranks of another world would read batches and groups the schedule never planned.
+    schedule = make_schedule(ScheduleConfig(pp=2, dp=1, spec=0, steps=2, seed=0))
+    with pytest.raises(ConfigError, match=r"^scripted_program: the simulated world is pp=3"):
+        simulate(Layout(pp=3, dp=1), scripted_program(schedule))
+
+
+def test_run_scripted_rank_refuses_another_world_or_another_ranks_interpreter() -> None:
+    # Checked before the first collective: a wrong rank would hang its peers instead.
+    schedule = make_schedule(ScheduleConfig(pp=2, dp=1, spec=0, steps=2, seed=0))
+    interpreter = TorchInterpreter(device=torch.device("cpu"), groups={}, rank=0)
+    with pytest.raises(ConfigError, match=r"^run_scripted_rank: world pp=2, dp=2 but"):
+        run_scripted_rank(interpreter, Layout(pp=2, dp=2), 0, schedule)
+    with pytest.raises(ConfigError, match=r"^run_scripted_rank: the interpreter is rank 0's"):
+        run_scripted_rank(interpreter, schedule.world, 1, schedule)
