@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from purepp.runner.loop import RankLoop
 from purepp.runner.parity import check_parity
 from purepp.runner.results import PlanCounts, RankResult
 from purepp.runner.scheduler import Scheduler, SchedulerConfig
-from purepp.runner.settings import MAX_SPECULATIVE_STEPS, RunSettings
+from purepp.runner.settings import MAX_SPECULATIVE_STEPS, MAX_TIMEOUT_S, RunSettings
 from purepp.runner.summary import summarise
 from purepp.runner.toy_model import (
     ForwardPlan,
@@ -191,18 +192,41 @@ def test_workload_aborts_land_at_every_ring_offset_and_respect_seed() -> None:
     assert {r.replica for r in workload.requests} == {0, 1}
 
 
-def test_settings_reject_bad_options() -> None:
-    for bad in (
-        dict(pp=0),
-        dict(dp=0),
-        dict(spec=99),
-        dict(backend="mpi"),
-        dict(timeout_s=0),
-        dict(interpreter="jit"),
-        dict(interpreter="captured"),  # CUDA graphs need the nccl backend
-    ):
-        with pytest.raises(ConfigError, match="purepp run"):
-            RunSettings(**bad)
+@pytest.mark.parametrize(
+    ("bad", "said"),
+    [
+        (dict(pp=0), "pp=0 is outside 1.."),
+        (dict(dp=0), "dp=0 is outside 1.."),
+        (dict(spec=99), "spec=99 is outside 0..7"),
+        (dict(backend="mpi"), "backend='mpi' is not a backend"),
+        (dict(timeout_s=0), "timeout_s=0 is out of range"),
+        (dict(timeout_s=float("inf")), "timeout_s=inf is out of range"),
+        (dict(timeout_s=2 * MAX_TIMEOUT_S), "timeout_s=172800.0 is out of range"),
+        (dict(interpreter="jit"), "interpreter='jit' is not an interpreter mode"),
+        # CUDA graphs need the nccl backend
+        (dict(interpreter="captured"), "interpreter='captured' with backend='gloo'"),
+        # A research runner builds these by hand: a bool is no count, a float no step.
+        (dict(steps=True), "steps=True is a bool, not an int"),
+        (dict(requests=2.5), "requests=2.5 is a float, not an int"),
+        (dict(timeout_s=True), "timeout_s=True is a bool"),
+        (dict(timeout_s="60"), "timeout_s='60' is a str"),
+        (dict(validate_header=1), "validate_header=1 is not a bool"),
+        (dict(overlap_agreement="yes"), "overlap_agreement='yes' is not a bool"),
+        (dict(wire="bogus"), "wire='bogus' is not a wire format. Fix: use one of 'seed', "),
+        (dict(max_num_reqs=0), "max_num_reqs=0 is outside 1.."),
+        (dict(chunk_size=0), "chunk_size=0 is outside 1.."),
+    ],
+)
+def test_settings_refuse_a_bad_value_when_built(bad: dict[str, Any], said: str) -> None:
+    """Every field is checked when the settings are built, so `launch` never starts rank
+    processes that would refuse them (each rank failing with exit 2)."""
+    with pytest.raises(ConfigError, match=rf"^RunSettings: {re.escape(said)}"):
+        RunSettings(**bad)
+
+
+def test_settings_refuse_capture_sizes_the_dispatcher_refuses() -> None:
+    with pytest.raises(ConfigError, match=r"^CudaGraphDispatcher: capture_sizes=\[4, 2\]"):
+        RunSettings(capture_sizes=(4, 2))
 
 
 def test_settings_accept_each_bound() -> None:
@@ -216,7 +240,7 @@ def test_settings_accept_each_bound() -> None:
         dict(spec=-1),
     ]
     for bad in refused:
-        with pytest.raises(ConfigError, match="purepp run"):
+        with pytest.raises(ConfigError, match=r"^RunSettings: "):
             RunSettings(**bad)
 
 

@@ -19,7 +19,12 @@ import attrs
 
 from purepp.errors import ConfigError
 from purepp.relay import Wire
-from purepp.runner.settings import INTERPRETER_MODES, MAX_SPECULATIVE_STEPS, RunSettings
+from purepp.runner.settings import (
+    INTERPRETER_MODES,
+    MAX_SPECULATIVE_STEPS,
+    MAX_TIMEOUT_S,
+    RunSettings,
+)
 
 __all__ = [
     "CLI",
@@ -33,8 +38,6 @@ __all__ = [
     "check_trace",
     "settings_from_args",
 ]
-
-MAX_TIMEOUT_S = 86_400.0  # a day; beyond it a "timeout" is a hang (and overflows gloo's)
 
 
 class UsageError(ConfigError):

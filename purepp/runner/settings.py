@@ -6,12 +6,17 @@ import math
 
 import attrs
 
+from purepp._checks import INT32_MAX, check_int
+from purepp._text import a_type
+from purepp.cudagraph import CaptureMode, CudaGraphDispatcher
 from purepp.errors import ConfigError
+from purepp.relay import Wire
 from purepp.runner.workload import WorkloadConfig
 
-__all__ = ["INTERPRETER_MODES", "MAX_SPECULATIVE_STEPS", "RunSettings"]
+__all__ = ["INTERPRETER_MODES", "MAX_SPECULATIVE_STEPS", "MAX_TIMEOUT_S", "RunSettings"]
 
 MAX_SPECULATIVE_STEPS = 7  # the toy drafter's longest useful proposal
+MAX_TIMEOUT_S = 86_400.0  # a day; beyond it a "timeout" is a hang (and overflows gloo's)
 # The torch interpreter's modes (purepp.effects.torch_interpreter): the fast eager
 # default, every effect validated, repeated batches run as plans, plans captured into
 # CUDA graphs (nccl only).
@@ -41,43 +46,7 @@ class RunSettings:
     interpreter: str = "eager"  # the torch interpreter's mode (INTERPRETER_MODES)
 
     def __attrs_post_init__(self) -> None:
-        # The library's own guard; `purepp run` checks its options first, naming them.
-        checks = (
-            (self.pp >= 1, f"pp={self.pp}", "use at least 1 pipeline stage"),
-            (self.dp >= 1, f"dp={self.dp}", "use at least 1 replica"),
-            (
-                self.pp <= self.num_layers,
-                f"pp={self.pp} with num_layers={self.num_layers}",
-                "use at most one stage per layer",
-            ),
-            (self.steps >= 0, f"steps={self.steps}", "use 0 (automatic) or more steps"),
-            (self.requests >= 0, f"requests={self.requests}", "use 0 or more requests"),
-            (
-                0 <= self.spec <= MAX_SPECULATIVE_STEPS,
-                f"spec={self.spec}",
-                f"use 0..{MAX_SPECULATIVE_STEPS} speculative steps",
-            ),
-            (self.seed >= 0, f"seed={self.seed}", "use a seed of 0 or more"),
-            (self.backend in ("gloo", "nccl"), f"backend={self.backend!r}", "use gloo or nccl"),
-            (
-                self.interpreter in INTERPRETER_MODES,
-                f"interpreter={self.interpreter!r}",
-                f"use one of {', '.join(INTERPRETER_MODES)}",
-            ),
-            (
-                self.interpreter != "captured" or self.backend == "nccl",
-                f"interpreter='captured' with backend={self.backend!r}",
-                "capture CUDA graphs with the nccl backend (one GPU per rank)",
-            ),
-            (
-                math.isfinite(self.timeout_s) and self.timeout_s > 0,
-                f"timeout_s={self.timeout_s}",
-                "use a finite, positive timeout",
-            ),
-        )
-        for ok, value, fix in checks:
-            if not ok:
-                raise ConfigError("purepp run", f"{value} is out of range", fix)
+        _check(self)
 
     @property
     def world_size(self) -> int:
@@ -102,3 +71,62 @@ class RunSettings:
         waves = -(-per_replica // self.max_num_reqs)
         per_request = (-(-w.max_prompt // self.chunk_size) + w.max_output) * self.pp
         return w.arrival_span + waves * per_request + 2 * self.pp
+
+
+# Each count with its least and most values.
+_COUNTS = (
+    ("pp", 1, INT32_MAX),
+    ("dp", 1, INT32_MAX),
+    ("steps", 0, INT32_MAX),
+    ("requests", 0, INT32_MAX),
+    ("spec", 0, MAX_SPECULATIVE_STEPS),
+    ("seed", 0, INT32_MAX),
+    ("num_layers", 1, INT32_MAX),
+    ("max_num_reqs", 1, INT32_MAX),
+    ("max_num_batched_tokens", 1, INT32_MAX),
+    ("chunk_size", 1, INT32_MAX),
+)
+_WIRES = tuple(wire.value for wire in Wire)
+
+
+def _check(settings: RunSettings) -> None:
+    """Every field's type and range, once, when the settings are built: a research runner
+    that builds them by hand gets the error here, not from a rank process after launch.
+    (`purepp run` checks its options first, naming its flags.)"""
+    call = "RunSettings"
+
+    def refuse(field: str, problem: str, fix: str) -> ConfigError:
+        return ConfigError(call, f"{field}={getattr(settings, field)!r} {problem}", fix)
+
+    for field, low, high in _COUNTS:
+        check_int(call, field, getattr(settings, field), low, high, config=True)
+    if settings.pp > settings.num_layers:
+        raise refuse(
+            "pp", f"with num_layers={settings.num_layers}", "use at most one stage per layer"
+        )
+    timeout = settings.timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise refuse("timeout_s", f"is {a_type(timeout)}", "pass a number of seconds")
+    if not (math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
+        fix = f"use a finite timeout above 0 and at most {MAX_TIMEOUT_S:g} s (a day)"
+        raise refuse("timeout_s", "is out of range", fix)
+    for field in ("validate_header", "overlap_agreement"):
+        if type(getattr(settings, field)) is not bool:
+            raise refuse(field, "is not a bool", "pass True or False")
+    if settings.backend not in ("gloo", "nccl"):
+        raise refuse("backend", "is not a backend", "use 'gloo' or 'nccl'")
+    if settings.wire not in _WIRES:
+        raise refuse("wire", "is not a wire format", f"use one of {', '.join(map(repr, _WIRES))}")
+    if settings.interpreter not in INTERPRETER_MODES:
+        fix = f"use one of {', '.join(map(repr, INTERPRETER_MODES))}"
+        raise refuse("interpreter", "is not an interpreter mode", fix)
+    if settings.interpreter == "captured" and settings.backend != "nccl":
+        fix = "capture CUDA graphs with backend='nccl' (one GPU per rank), or use 'plan'"
+        raise refuse("interpreter", f"with backend={settings.backend!r}", fix)
+    # The rank's own dispatcher, built once here: its checks of the capture sizes.
+    CudaGraphDispatcher(
+        capture_sizes=settings.capture_sizes,
+        capture_mode=CaptureMode.FULL_AND_PIECEWISE,
+        max_num_reqs=settings.max_num_reqs,
+        num_speculative_tokens=settings.spec,
+    )
