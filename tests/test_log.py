@@ -55,6 +55,7 @@ from purepp.effects.vocabulary import (
     Op,
     RecordEvent,
     Release,
+    ScatterRows,
     Section,
     Stream,
     WaitStream,
@@ -395,6 +396,11 @@ BAD_LOGS: dict[str, tuple[Mutation, int, str]] = {
         'unknown kind "send"; known kinds: alias',
     ),
     "no kind": (edit(4, lambda r: r["effect"].pop("kind")), 4, "effect has no kind"),
+    "effect not an object": (
+        edit(4, lambda r: r.update(effect=["broadcast", 0])),
+        4,
+        r'expected an effect object, got a list \["broadcast", 0\] @ record.effect',
+    ),
     "missing key": (
         edit(4, lambda r: r["effect"].pop("src")),
         4,
@@ -409,6 +415,11 @@ BAD_LOGS: dict[str, tuple[Mutation, int, str]] = {
         edit(4, lambda r: r["effect"].update(src=True)),
         4,
         "expected an integer, got a boolean true @ record.effect.src",
+    ),
+    "null for int": (
+        edit(4, lambda r: r["effect"].update(src=None)),
+        4,
+        "expected an integer, got null null @ record.effect.src",
     ),
     "float in shape": (
         edit(4, lambda r: r["effect"].update(shape=[4.0, 2])),
@@ -564,6 +575,27 @@ def test_a_log_another_purepp_wrote_is_to_be_recorded_again(tmp_path: Path) -> N
     path = write_lines(tmp_path / "rank.jsonl", [json.dumps({**header, "host": "a"}), *lines[1:]])
     with pytest.raises(LogFormatError, match="line 1: extra fields found") as caught:
         load_log(path)
+    assert caught.value.fix.startswith("record the log again with this purepp")
+
+
+def test_a_flag_written_as_a_number_is_rejected(tmp_path: Path) -> None:
+    # `true` where a count belongs is refused; so is `1` where a flag belongs.
+    scatter = ScatterRows(
+        step=0,
+        op=Op.CONSUME,
+        source=BufferRef("rows"),
+        index=BufferRef("slots"),
+        target=BufferRef("table"),
+        stream=Stream.MAIN,
+    )
+    path = tmp_path / "rank.jsonl"
+    dump_log(EffectLog.from_effects(HEADER, [scatter]), path)
+    path.write_text(path.read_text().replace('"skips": true', '"skips": 1'))
+    with pytest.raises(LogFormatError) as caught:
+        load_log(path)
+    assert caught.value.problem == (
+        f"{path} line 2: expected true or false, got an integer 1 @ record.effect.skips"
+    )
     assert caught.value.fix.startswith("record the log again with this purepp")
 
 
@@ -870,6 +902,39 @@ def test_dump_logs_leaves_no_lock_file_in_a_folder_no_run_used(tmp_path: Path) -
     assert sorted(listing(tmp_path)) == [log_file_name(0), log_file_name(1)]
 
 
+def test_dump_logs_refuses_a_lock_file_it_cannot_open_and_writes_nothing(tmp_path: Path) -> None:
+    pytest.importorskip("fcntl")
+    # Whether a run writes the folder is not known: refused, not taken for "no run".
+    (tmp_path / logfile.LOCK_FILE).mkdir()
+    with pytest.raises(InvalidInputError) as caught:
+        dump_logs(world_logs(Layout(pp=2, dp=1)), tmp_path)
+    assert caught.value.call == "dump_logs"
+    assert caught.value.problem == (
+        f"the lock file {str(tmp_path / logfile.LOCK_FILE)!r} cannot be opened (Is a "
+        "directory), so whether a purepp run writes the folder is not known"
+    )
+    assert caught.value.fix.startswith("make it readable and writable")
+    assert listing(tmp_path) == {logfile.LOCK_FILE: None}
+
+
+def test_dump_log_refuses_a_non_log_and_an_effect_json_cannot_hold(tmp_path: Path) -> None:
+    path = tmp_path / "rank.jsonl"
+    with pytest.raises(InvalidInputError, match="dump_log: log is a str") as caught:
+        dump_log("rank.jsonl", path)  # type: ignore[arg-type]
+    assert caught.value.fix == "pass an EffectLog (e.g. recorder.log)"
+    # An attrs class checks no field types: a float step reaches the writer.
+    fractional = attrs.evolve(relay_broadcast(1), step=1.5)  # type: ignore[arg-type]
+    log = EffectLog.from_effects(HEADER, [relay_broadcast(0), fractional])
+    with pytest.raises(InvalidInputError) as caught:
+        dump_log(log, path)
+    assert caught.value.call == "dump_log"
+    assert caught.value.problem.startswith(
+        f"effect 1 ({fractional!r}) cannot be written as JSON: 'float' object"
+    )
+    assert caught.value.fix.startswith("give effect fields the types their class declares")
+    assert listing(tmp_path) == {}
+
+
 # -- layout and header --------------------------------------------------------------
 
 
@@ -925,6 +990,18 @@ def test_config_is_frozen_and_compared_as_json() -> None:
             attrs.evolve(header, config=bad)
 
 
+@pytest.mark.parametrize("config", [[1, 2], "model=toy", None])
+def test_a_config_that_is_not_a_json_object_is_refused_naming_the_call(config: object) -> None:
+    world = Layout(pp=1, dp=1)
+    with pytest.raises(InvalidInputError) as caught:
+        LogHeader(rank=0, world=world, config=config)  # type: ignore[arg-type]
+    assert caught.value.call == "LogHeader"
+    assert caught.value.problem == f"config must be a JSON object, got {type(config).__name__}"
+    assert caught.value.fix == "pass a dict"
+    with pytest.raises(InvalidInputError, match="config_digest: config must be a JSON object"):
+        config_digest(config)  # type: ignore[arg-type]
+
+
 @given(log_headers(), json_objects)
 def test_equal_headers_hash_equal(header: LogHeader, config: dict[str, object]) -> None:
     again = attrs.evolve(header, config=dict(reversed(list(config.items()))))
@@ -938,6 +1015,16 @@ def test_an_effect_log_checks_its_numbering() -> None:
         EffectLog(HEADER, [LogRecord(seq=1, comm_seq=0, effect=effect)])
     with pytest.raises(InvalidInputError, match="record 0: comm_seq is null, expected 0"):
         EffectLog(HEADER, [LogRecord(seq=0, comm_seq=None, effect=effect)])
+
+
+def test_an_effect_log_refuses_what_is_not_a_record_of_an_effect() -> None:
+    not_an_effect = LogRecord(seq=0, comm_seq=None, effect="broadcast")  # type: ignore[arg-type]
+    for bad in (relay_broadcast(0), not_an_effect):
+        with pytest.raises(InvalidInputError) as caught:
+            EffectLog(HEADER, [bad])  # type: ignore[list-item]
+        assert caught.value.call == "EffectLog"
+        assert caught.value.problem == f"record 0 is {bad!r}"
+        assert caught.value.fix == "pass LogRecords of effects"
 
 
 # -- recorder and replay ------------------------------------------------------------
@@ -996,6 +1083,29 @@ def test_the_recorder_rejects_a_non_effect_and_records_nothing(tmp_path: Path) -
     assert recorder.log == EffectLog(HEADER, ())
     assert inner.batches == []
     assert load_log(tmp_path / "rank.jsonl") == EffectLog(HEADER, ())
+
+
+def test_a_recorder_refuses_what_is_not_a_header_and_tells_the_one_it_was_given() -> None:
+    with pytest.raises(InvalidInputError) as caught:
+        Recorder(SAMPLE)  # type: ignore[arg-type]
+    assert (caught.value.call, caught.value.problem) == ("Recorder", "header is an EffectLog")
+    assert caught.value.fix == "pass a LogHeader"
+    assert Recorder(HEADER).header is HEADER
+
+
+def test_a_recorder_writing_a_file_writes_nothing_of_a_batch_json_cannot_hold(
+    tmp_path: Path,
+) -> None:
+    recorder = Recorder(HEADER, path=tmp_path / "rank.jsonl")
+    recorder.perform(SAMPLE_EFFECTS[:2])
+    fractional = attrs.evolve(relay_broadcast(1), step=1.5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError) as caught:
+        recorder.perform((SAMPLE_EFFECTS[2], fractional))
+    assert caught.value.call == "Recorder.perform"
+    # Numbered as the log numbers it: after the two records already written.
+    assert caught.value.problem.startswith(f"effect 3 ({fractional!r}) cannot be written")
+    # None of the batch is written: the file is still the log so far.
+    assert recorder.log == EffectLog.from_effects(HEADER, SAMPLE_EFFECTS[:2])
 
 
 @pytest.mark.parametrize("where", ["missing/rank.jsonl", "."])
@@ -1242,6 +1352,18 @@ def test_a_stream_reads_up_to_a_cut_last_line_only_when_asked(tmp_path: Path) ->
         tuple(LogStream(path))
 
 
+def test_a_stream_gives_its_records_once_and_none_after_it_is_closed(tmp_path: Path) -> None:
+    path = tmp_path / "rank.jsonl"
+    dump_log(SAMPLE, path)
+    stream = LogStream(path)
+    assert tuple(stream) == SAMPLE.records
+    assert tuple(stream) == ()  # read once: the file was closed at its end
+    closed = LogStream(path)
+    closed.close()
+    assert closed.header == HEADER  # read when it was opened
+    assert list(closed.scan(frozenset())) == []
+
+
 # -- the checker's fast reading is as strict as loading ------------------------------
 
 
@@ -1380,8 +1502,10 @@ def local_steps(steps: int) -> EffectLog:
     [
         ('"dtype": "int64"', '"dtype": "int65"', "dtype"),
         ("[1147483648, 1147483648]", "[2147483648, 1147483648]", "int32"),
+        # A release: a record of a kind not built, numbered as every other.
+        ('{"seq": 17, ', '{"seq": 18, ', "seq is 18, expected 17"),
     ],
-    ids=["enum-digits", "int32-range"],
+    ids=["enum-digits", "int32-range", "seq"],
 )
 def test_a_scan_rejects_in_records_it_does_not_build_what_loading_rejects(
     tmp_path: Path, old: str, new: str, problem: str
@@ -1580,3 +1704,77 @@ def test_loading_a_cut_log_through_templates_gives_what_reading_in_full_gives(
     fast, _, slow, _ = load_both_ways(path, monkeypatch, allow_cut_end=True)
     assert fast == slow
     assert len(fast.records) == len(repeated_steps(20).records) - 1
+
+
+def test_the_readers_caches_stay_bounded_over_a_log_of_many_templates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Names whose digits differ in their zeros, and arrays of other values: more
+    # templates and tables than the caches hold (made small here), so both are emptied.
+    effects: list[Effect] = []
+    for n in range(1, 40):
+        effects += [
+            Release(step=n, op=Op.END_STEP, buffer=BufferRef(f"b{n:b}")),
+            CopyHostToDevice(
+                step=n, op=Op.CONSUME, source=[n + 10, 11], buffer=BufferRef("c"),
+                stream=Stream.MAIN,
+            ),
+        ]  # fmt: skip
+    log = EffectLog.from_effects(HEADER, effects)
+    path = tmp_path / "rank.jsonl"
+    dump_log(log, path)
+    with monkeypatch.context() as patched:
+        patched.setattr(logfile, "_MAX_TEMPLATES", 8)
+        patched.setattr(logfile, "_SEEN_TEMPLATES", {})
+        patched.setattr(logfile, "_ARRAYS", {})
+        assert load_log(path) == log
+        # 39 templates of releases, and some 35 tables built from a template, were kept.
+        assert 0 < len(logfile._SEEN_TEMPLATES) <= 8
+        assert 0 < len(logfile._ARRAYS) <= 8
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ('"op": "receive"', '"op":"receive"'),
+        ('"receive", "buffer"', '"receive","buffer"'),
+        ('"receive", "buffer"', '"receive",  "buffer"'),
+        ('"op": "agree"', '"op":"agree"'),  # a table, read by the decoder
+    ],
+    ids=["no-space-after-colon", "no-space-after-comma", "two-spaces", "table"],
+)
+def test_a_log_spelled_with_other_spacing_loads_as_reading_in_full_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old: str, new: str
+) -> None:
+    # Valid JSON another writer (or a hand) spaced otherwise: its lines are not read at
+    # the offsets of the writer's spelling.
+    path = tmp_path / "rank.jsonl"
+    dump_log(repeated_steps(6), path)
+    path.write_text(path.read_text().replace(old, new))
+    fast, _, slow, _ = load_both_ways(path, monkeypatch)
+    assert fast == slow == repeated_steps(6)
+    assert repr(fast) == repr(slow)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "problem"),
+    [
+        ('{"shape": [2, 2], "values"', '{"shape": [3, 2], "values"', r"shape \[3, 2\]"),
+        ("[1147483648, 1147483648]]", "[2147483648, 1147483648]]", "int32"),
+    ],
+    ids=["array-shape", "int32-range"],
+)
+def test_a_bad_table_in_a_log_spelled_otherwise_is_rejected_as_reading_in_full_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old: str, new: str, problem: str
+) -> None:
+    # Its lines are read by the decoder, not at offsets: the table is checked there.
+    path = tmp_path / "rank.jsonl"
+    dump_log(repeated_steps(6), path)
+    path.write_text(path.read_text().replace('"op": "agree"', '"op":"agree"'))
+    monkeypatch.setattr(logfile, "_SEEN_TEMPLATES", {})
+    loading = edit_a_late_line(path, old, new, problem)  # through the template seen
+    monkeypatch.setattr(logfile, "_SEEN_TEMPLATES", {})
+    monkeypatch.setattr(logfile, "_template", lambda rest, effect, kind: None)
+    with pytest.raises(LogFormatError) as in_full:
+        load_log(path)
+    assert str(in_full.value) == str(loading)

@@ -16,6 +16,7 @@ from purepp.effects.matching import (
     MismatchClass,
     MismatchField,
     MismatchReport,
+    StageAgreements,
     WaitEdge,
     check_posts,
     comm_group,
@@ -356,6 +357,62 @@ def test_the_earliest_step_is_reported_when_several_groups_disagree() -> None:
     report = match_collectives(per_rank, world)
     assert report is not None
     assert (report.group, report.rank, report.seq) == ((1, 3), 3, 1)
+
+
+# ---- stage divergence: the columns of one replica's stages ---------------------------
+
+
+def stage_table(table: list[list[int]], comm: Communicator = Communicator.DP_CPU) -> AllReduce:
+    """A contribution to step 3's agreement, its table named as no purepp lane names it."""
+    return AllReduce(
+        step=3,
+        op=Op.AGREE,
+        contribution=np.array(table, dtype=np.int32),
+        result=BufferRef("table"),
+        comm=comm,
+        work=None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("comm", "lane"),
+    [(Communicator.DP_CPU, "target"), (Communicator.DP_DRAFTER_CPU, "drafter")],
+)
+def test_stage_tables_that_differ_outside_the_replicas_column_are_shown_whole(
+    comm: Communicator, lane: str
+) -> None:
+    # Replica 0's stages agree on its column (0) but not on replica 1's.
+    stages = StageAgreements(Layout(pp=2, dp=2))
+    assert stages.post(0, stage_table([[1, 7]], comm)) is None
+    report = stages.post(1, stage_table([[1, 8]], comm))
+
+    assert report is not None
+    assert report.differing == ()
+    # The table's name says no lane: the communicator's own lane is named.
+    assert report.lane == lane
+    assert report.render().splitlines()[:4] == [
+        f"Stage divergence: replica 0 (ranks 0, 1), step 3, {lane} lane (all_reduce on "
+        f"{comm.value}, agree)",
+        "  rank 0 (stage 0) contributed row 0=1",
+        "  rank 1 (stage 1) contributed row 0=1",
+        "  their tables differ outside column 0: rank 0 [[1, 7]]; rank 1 [[1, 8]]",
+    ]
+
+
+def test_stage_tables_too_narrow_to_hold_the_replicas_column_show_an_empty_one() -> None:
+    # One column in a world of two replicas: replica 1's is not in the tables at all.
+    stages = StageAgreements(Layout(pp=2, dp=2))
+    assert stages.post(2, stage_table([[1]])) is None
+    assert stages.post(3, stage_table([[2]])) is None  # held: replica 0 may diverge first
+    report = stages.held
+
+    assert report is not None
+    assert [column.column for column in report.columns] == [(), ()]
+    assert report.render().splitlines()[1:4] == [
+        "  rank 2 (stage 0) contributed column []",
+        "  rank 3 (stage 1) contributed column []",
+        "  their tables differ outside column 1: rank 2 [[1]]; rank 3 [[2]]",
+    ]
 
 
 def test_every_rank_needs_a_sequence() -> None:

@@ -39,6 +39,7 @@ from purepp.effects.vocabulary import (
     Allocate,
     Broadcast,
     BufferRef,
+    CheckHeader,
     Communicator,
     CopyHostToDevice,
     DType,
@@ -462,6 +463,29 @@ def test_an_input_of_many_dimensions_keeps_them_all() -> None:
     assert placeholder_inputs(log).specs(0) == {TOKENS: TensorSpec(shape, DType.INT64)}
 
 
+def packed(buffer: BufferRef, shape: tuple[int, ...], dtype: DType, wire: str) -> Pack:
+    """`buffer` packed alone into `wire`, as a section of `shape` and `dtype`."""
+    section = Section(buffer=buffer, offset=0, shape=shape, dtype=dtype)
+    return Pack(
+        step=0,
+        op=Op.BROADCAST,
+        sections=(section,),
+        out=BufferRef(wire),
+        nbytes=64,
+        stream=Stream.MAIN,
+    )
+
+
+def test_an_input_of_more_dimensions_than_an_array_may_have_is_a_typed_error() -> None:
+    # numpy and torch hold at most 64 dimensions: no placeholder can be made.
+    log = EffectLog.from_effects(HEADER, [packed(TOKENS, (1,) * 65, DType.INT64, "s0.wire")])
+    with pytest.raises(InputShapeError, match="the records give it more than 64 dimensions") as e:
+        placeholder_inputs(log).specs(0)
+    assert e.value.buffer == TOKENS
+    sixty_four = EffectLog.from_effects(HEADER, [packed(TOKENS, (1,) * 64, DType.INT64, "s0.w")])
+    assert placeholder_inputs(sixty_four).specs(0)[TOKENS].shape == (1,) * 64
+
+
 def test_an_input_stacked_with_a_wire_is_as_long_as_its_words() -> None:
     section = Section(buffer=NUM_SAMPLED, offset=0, shape=(2,), dtype=DType.INT32)
     wire = BufferRef("s0.wire")
@@ -535,6 +559,69 @@ def test_records_that_disagree_on_an_inputs_dimensions_are_a_typed_error() -> No
         binder.specs(0)
 
 
+def test_records_that_disagree_on_an_inputs_length_are_a_typed_error() -> None:
+    # Stacked with a 2-element buffer, then with a 3-element one: no one length is both.
+    two, three = BufferRef("s0.two"), BufferRef("s0.three")
+    effects: list[Effect] = [
+        allocated(two, (2,)),
+        allocated(three, (3,)),
+        stacked((two, NUM_SAMPLED), BufferRef("s0.with_two")),
+        stacked((three, NUM_SAMPLED), BufferRef("s0.with_three")),
+    ]
+    binder = placeholder_inputs(EffectLog.from_effects(HEADER, effects))
+    with pytest.raises(InputShapeError) as caught:
+        binder.specs(0)
+    assert caught.value.buffer == NUM_SAMPLED
+    assert str(caught.value).startswith(
+        "placeholder_inputs: rank 0's log does not give the shape of input 'input.num_sampled' "
+        "at step 0: record #3 (StackRows) needs size 2 where another record needs 3"
+    )
+
+
+def test_an_inputs_dtype_disagreement_is_a_typed_error_for_every_input_tied_to_it() -> None:
+    # Packed as int32 and as int64; then stacked with the counts, which share its dtype:
+    # the disagreement is the counts' too (it moves with the input when the two are tied).
+    effects: list[Effect] = [
+        packed(TOKENS, (2,), DType.INT32, "s0.wire32"),
+        packed(TOKENS, (2,), DType.INT64, "s0.wire64"),
+        stacked((NUM_SAMPLED, TOKENS), BufferRef("s0.stacked"), op=Op.BROADCAST),
+    ]
+    binder = placeholder_inputs(EffectLog.from_effects(HEADER, effects))
+    with pytest.raises(InputShapeError) as caught:
+        binder.specs(0)
+    assert caught.value.buffer == TOKENS
+    assert "record #1 (Pack) needs dtype int64 where another needs int32" in str(caught.value)
+    # With the tokens bound by the caller, the counts are still refused.
+    interpreter = NumpyInterpreter()
+    interpreter.bind(TOKENS, np.zeros(2, np.int32))
+    with pytest.raises(InputShapeError, match="needs dtype int64 where another needs int32") as e:
+        binder(0, interpreter)
+    assert e.value.buffer == NUM_SAMPLED
+
+
+def test_an_input_longer_than_a_region_it_is_packed_into_is_a_typed_error() -> None:
+    # Packed into a 2-element section, but stacked with a 3-element buffer.
+    three = BufferRef("s0.three")
+    effects: list[Effect] = [
+        packed(NUM_SAMPLED, (2,), DType.INT32, "s0.wire"),
+        allocated(three, (3,), op=Op.BROADCAST),
+        stacked((three, NUM_SAMPLED), BufferRef("s0.stacked"), op=Op.BROADCAST),
+    ]
+    binder = placeholder_inputs(EffectLog.from_effects(HEADER, effects))
+    with pytest.raises(InputShapeError, match="a dimension of size 3 must fit in 2") as caught:
+        binder.specs(0)
+    assert caught.value.buffer == NUM_SAMPLED
+
+
+def test_a_header_check_gives_the_header_it_reads_the_expected_ones_layout() -> None:
+    # A receiver checks the relay header it is given: [step, requests], int32.
+    header = BufferRef("input.header")
+    check = CheckHeader(step=0, op=Op.RECEIVE, buffer=header, expected=[0, 0], stream=Stream.MAIN)
+    log = EffectLog.from_effects(HEADER, [check])
+    assert placeholder_inputs(log).specs(0) == {header: TensorSpec((2,), DType.INT32)}
+    replay(log, NumpyInterpreter(), before_step=placeholder_inputs(log))  # zeros: as expected
+
+
 # -- replay's before_step --------------------------------------------------------------
 
 
@@ -575,6 +662,15 @@ def test_a_before_step_that_is_not_callable_is_refused_before_anything_runs(bad:
     assert str(caught.value).startswith(f"replay: before_step={bad!r} is ")
     assert "not callable" in str(caught.value)
     assert "Fix: pass a function (step, interpreter) -> None" in str(caught.value)
+    assert journal.events == []
+
+
+def test_replay_refuses_what_is_not_an_effect_log_before_anything_runs() -> None:
+    journal = Journal()
+    with pytest.raises(InvalidInputError) as caught:
+        replay(local_log().records, journal)  # type: ignore[arg-type]
+    assert (caught.value.call, caught.value.problem) == ("replay", "log is a tuple")
+    assert caught.value.fix == "pass an EffectLog (e.g. from load_log)"
     assert journal.events == []
 
 

@@ -41,6 +41,7 @@ from purepp.effects.vocabulary import (
     AllReduce,
     Broadcast,
     BufferRef,
+    CheckHeader,
     Communicator,
     CopyHostToDevice,
     DType,
@@ -61,7 +62,13 @@ from purepp.effects.vocabulary import (
     WaitWork,
     WorkRef,
 )
-from purepp.errors import CollectiveMismatchError, ConfigError, InterpreterError, InvalidInputError
+from purepp.errors import (
+    CollectiveMismatchError,
+    ConfigError,
+    HeaderMismatchError,
+    InterpreterError,
+    InvalidInputError,
+)
 from purepp.layout import Layout
 
 Int64 = npt.NDArray[np.int64]
@@ -543,6 +550,43 @@ def test_two_communicators_taken_in_opposite_orders_deadlock() -> None:
         in report.render().splitlines()
     )
     assert "one issue order" in report.fix()
+
+
+def test_two_communicators_taken_in_opposite_orders_on_one_stream_deadlock_though_all_posted() -> (
+    None
+):
+    # Both broadcasts are on the relay stream: every rank posts both, but each rank's
+    # first is queued behind the other on its peer's stream.
+    def broadcasts(rank: int) -> tuple[Effect, ...]:
+        op = Op.BROADCAST if rank == 1 else Op.RECEIVE
+        made, posted = [], {}
+        for name, comm in (("x", Communicator.PP_RELAY), ("y", Communicator.PP_CPU)):
+            buffer = BufferRef(name)
+            made.append(
+                CopyHostToDevice(
+                    step=0, op=op, source=np.zeros(4, np.int32), buffer=buffer, stream=Stream.RELAY
+                )
+            )
+            posted[comm] = attrs.evolve(int32_broadcast(op, buffer, shape=(4,), src=1), comm=comm)
+        order = (Communicator.PP_RELAY, Communicator.PP_CPU)
+        return (*made, *(posted[comm] for comm in (order if rank == 0 else order[::-1])))
+
+    with pytest.raises(CollectiveMismatchError) as error:
+        simulate(Layout(pp=2, dp=1), scripted({rank: [broadcasts(rank)] for rank in (0, 1)}))
+
+    report = report_of(error)
+    assert isinstance(report, DeadlockReport)
+    assert [(a.instance.comm, a.missing) for a in report.pending] == [
+        (Communicator.PP_RELAY, ()),
+        (Communicator.PP_CPU, ()),
+    ]
+    lines = report.render().splitlines()
+    assert lines[3] == (
+        "      for op #0 on pp_relay (ranks 0, 1): broadcast [4] int32 from rank 1 (step 0, "
+        "receive), posted by all members, queued behind other work"
+    )
+    assert report.cycle is not None
+    assert sorted(report.cycle.ranks) == [0, 1]
 
 
 def dp_agreement(step: int, comm: Communicator, rank: int) -> AllReduce:
@@ -1071,6 +1115,18 @@ def test_a_step_must_be_a_tuple_of_effects() -> None:
         simulate(Layout(pp=1, dp=1), program)
 
 
+def test_a_step_holding_a_non_effect_is_refused_naming_it() -> None:
+    def program(ctx: RankContext) -> Iterator[tuple[Effect, ...]]:
+        yield (Synchronize(step=0, op=Op.CONSUME, stream=Stream.MAIN),)
+        yield (Synchronize(step=1, op=Op.CONSUME, stream=Stream.MAIN), "sync")  # type: ignore[misc]
+
+    with pytest.raises(InvalidInputError) as caught:
+        simulate(Layout(pp=1, dp=1), program)
+    assert caught.value.call == "simulate"
+    assert caught.value.problem == "rank 0's step #1 holds str, which is not an effect"
+    assert caught.value.fix == "yield only effects from purepp.effects.vocabulary"
+
+
 # ---- the interpreter alone ---------------------------------------------------------------
 
 
@@ -1088,6 +1144,23 @@ def test_fresh_buffers_are_poisoned_so_unwritten_data_shows() -> None:
     tensor = interpreter.tensor(BufferRef("a"))
     assert tensor.dtype == np.int64
     np.testing.assert_array_equal(tensor, np.full((2, 3), POISON))
+
+
+def test_a_header_check_of_other_than_step_and_count_names_both_headers_as_lists() -> None:
+    # The relay's header is [step, requests]; any other is shown as the values it holds.
+    interpreter = NumpyInterpreter()
+    interpreter.bind(BufferRef("h"), np.array([1, 2, 4], dtype=np.int32))
+    check = CheckHeader(
+        step=0, op=Op.RECEIVE, buffer=BufferRef("h"), expected=[1, 2, 3], stream=Stream.RELAY
+    )
+    with pytest.raises(HeaderMismatchError) as caught:
+        interpreter.perform((check,))
+    assert (caught.value.expected, caught.value.received) == ((1, 2, 3), (1, 2, 4))
+    assert caught.value.problem == (
+        "rank 0 received relay header [1, 2, 4] at step 0 but expected [1, 2, 3]: sender and "
+        "receiver hold different batches for this step"
+    )
+    assert caught.value.fix.startswith("pass every stage the same replicated batch")
 
 
 def test_pad_stack_gather_scatter() -> None:

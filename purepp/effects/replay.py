@@ -303,7 +303,7 @@ class _Terms:
                 break
             sizes.append(self._size(parts[0], problems))
             term = self.find(parts[1])
-        if len(sizes) > 64:  # a shape the records made cyclic
+        if len(sizes) > 64:  # past numpy's and torch's limit (the walk stops there: cycles too)
             problems.append("the records give it more than 64 dimensions")
         dtype = self.find(tensor.dtype)
         problems += self.problems.get(dtype, [])
