@@ -4,11 +4,13 @@ Pack copies each source into the top-left corner of its section of a new zeroed 
 buffer; Unpack binds views of the packed bytes (no copy); Synchronize makes the host
 wait for a stream (a no-op on torch CPU; the numpy model blocks the host until the
 stream has run what it holds). The checks on sections are the shared environment's,
-so both interpreters name the same problems with the same words.
+so both interpreters name the same problems with the same words. Then the shared
+environment's other refusals, and the numpy reference's own caller-side calls.
 """
 
 from __future__ import annotations
 
+import typing
 from typing import Any, TypedDict
 
 import numpy as np
@@ -16,22 +18,38 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from purepp.effects.numpy_interpreter import NumpyInterpreter, PostedCollective
+from purepp.effects.numpy_interpreter import NumpyInterpreter, PostedCollective, describe_effect
 from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.effects.vocabulary import (
+    Alias,
     Allocate,
+    AllReduce,
     Broadcast,
     BufferRef,
+    CheckHeader,
     Communicator,
+    CopyHostToDevice,
     DType,
     Effect,
+    EventRef,
+    ForgetEvent,
+    GatherRows,
     Op,
     Pack,
+    PadColumns,
+    RecordEvent,
+    RecordStream,
     Release,
+    ScatterRows,
     Section,
+    StackRows,
     Stream,
     Synchronize,
     Unpack,
+    WaitEvent,
+    WaitStream,
+    WaitWork,
+    WorkRef,
 )
 from purepp.errors import InterpreterError
 
@@ -99,6 +117,11 @@ class Either:
             return np.array(self.numpy.tensor(ref))
         assert self.torch is not None
         return np.array(self.torch.tensor(ref).numpy())
+
+    def bound_refs(self) -> frozenset[BufferRef | EventRef | WorkRef]:
+        made = self.numpy if self.numpy is not None else self.torch
+        assert made is not None
+        return made.bound_refs()
 
     def write(self, ref: BufferRef, values: npt.NDArray[Any]) -> None:
         """Overwrite the live buffer in place (as a later broadcast would)."""
@@ -218,6 +241,17 @@ def test_an_unpack_past_the_source_is_refused(kind: str) -> None:
         either.perform((unpack(),))
 
 
+def test_checked_torch_refuses_to_unpack_a_strided_wire() -> None:
+    # Views of a strided buffer's bytes are not its elements. (The numpy reference copies
+    # a strided array when it is bound, so its wires are always contiguous.)
+    interp = TorchInterpreter(device=CPU, groups={}, rank=0, checked=True)
+    interp.bind(WIRE, torch.from_numpy(np.repeat(expected_wire(), 2))[::2])
+    with pytest.raises(InterpreterError, match=r"Unpack step=3.*'wire' is not contiguous") as e:
+        interp.perform((unpack(),))
+    assert "unpack a contiguous buffer" in str(e.value)
+    assert interp.bound_refs() == frozenset({WIRE})  # no view was bound
+
+
 def test_synchronize_on_torch_cpu_has_nothing_to_wait_for() -> None:
     interp = TorchInterpreter(device=CPU, groups={}, rank=0, checked=True)
     interp.perform(
@@ -236,23 +270,196 @@ class _NeverPort:
         pass
 
 
-def test_synchronize_makes_the_numpy_host_wait_for_the_stream() -> None:
-    wire = Broadcast(
-        **TAG,
-        buffer=WIRE,
-        shape=(2,),
-        dtype=DType.INT64,
-        src=1,
-        comm=Communicator.PP_RELAY,
-        stream=Stream.RELAY,
-    )
+RECEIVE = Broadcast(
+    **TAG,
+    buffer=WIRE,
+    shape=(2,),
+    dtype=DType.INT64,
+    src=1,
+    comm=Communicator.PP_RELAY,
+    stream=Stream.RELAY,
+)
+
+
+def host_waiting_on_a_receive() -> NumpyInterpreter:
+    """A numpy host blocked by a Synchronize of the relay stream, whose receive never lands."""
     interp = NumpyInterpreter(rank=0, port=_NeverPort())
     allocate = Allocate(**TAG, buffer=WIRE, shape=(2,), dtype=DType.INT64, stream=Stream.RELAY)
-    interp.perform((allocate, wire))
+    interp.perform((allocate, RECEIVE))
     assert not interp.host_blocked()  # the relay stream waits, the host runs on
     with pytest.raises(InterpreterError, match=r"the host waits on synchronize\(relay\)"):
         interp.perform((Synchronize(**TAG, stream=Stream.RELAY),))
+    return interp
+
+
+def test_synchronize_makes_the_numpy_host_wait_for_the_stream() -> None:
+    interp = host_waiting_on_a_receive()
     assert interp.host_blocked()
     main = next(stall for stall in interp.stalls() if stall.stream is Stream.MAIN)
     assert main.culprit is not None
-    assert main.culprit.effect == wire  # what the host really waits for
+    assert main.culprit.effect == RECEIVE  # what the host really waits for
+
+
+def test_a_blocked_numpy_host_issues_nothing_more() -> None:
+    # A real host would be stuck in the Synchronize: nothing after it can be issued.
+    interp = host_waiting_on_a_receive()
+    later = Allocate(**TAG, buffer=TOKENS, shape=(2,), dtype=DType.INT64, stream=Stream.MAIN)
+    with pytest.raises(
+        InterpreterError, match=r"Allocate step=3.*still waiting on synchronize\(relay\)"
+    ) as raised:
+        interp.perform((later,))
+    assert "see host_blocked()" in str(raised.value)
+    assert interp.bound_refs() == frozenset({WIRE})
+
+
+# ---- the shared environment's refusals, in every interpreter ------------------------------
+
+
+def test_an_event_is_recorded_once_and_only_a_recorded_one_is_forgotten(either: Either) -> None:
+    event = EventRef("received")
+    record = RecordEvent(**TAG, stream=Stream.RELAY, event=event)
+    either.perform((record,))
+    with pytest.raises(InterpreterError, match=r"RecordEvent step=3.*'received' is already"):
+        either.perform((record,))
+    assert event in either.bound_refs()  # the first record stands
+    forget = ForgetEvent(**TAG, event=EventRef("never"))
+    with pytest.raises(InterpreterError, match=r"ForgetEvent step=3.*'never' is not recorded") as e:
+        either.perform((forget,))
+    assert "forget only an event that was recorded" in str(e.value)
+    assert event in either.bound_refs()
+
+
+@pytest.mark.parametrize("kind", ["numpy", "checked"])
+def test_an_allocation_of_a_negative_size_is_refused(kind: str) -> None:
+    either = Either(kind)
+    allocate = Allocate(**TAG, buffer=WIRE, shape=(2, -1), dtype=DType.INT64, stream=Stream.MAIN)
+    with pytest.raises(InterpreterError, match=r"Allocate step=3.*shape \(2, -1\) of 'wire'") as e:
+        either.perform((allocate,))
+    assert "use sizes >= 0" in str(e.value)
+    assert either.bound_refs() == frozenset()
+
+
+@pytest.mark.parametrize("kind", ["numpy", "checked"])
+def test_a_gather_from_a_scalar_is_refused(kind: str) -> None:
+    either = Either(kind)
+    either.bind(TOKENS, np.array(5, dtype=np.int64))
+    either.bind(COUNTS, np.array([0], dtype=np.int32))
+    gather = GatherRows(**TAG, source=TOKENS, index=COUNTS, out=WIRE, stream=Stream.MAIN)
+    with pytest.raises(InterpreterError, match=r"GatherRows step=3.*'tokens' is a scalar") as e:
+        either.perform((gather,))
+    assert "gather from a 1-D+ buffer" in str(e.value)
+    assert WIRE not in either.bound_refs()
+
+
+# ---- the numpy reference's caller-side calls ----------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["read-only", "strided"])
+def test_the_numpy_reference_copies_an_array_it_cannot_bind_itself(kind: str) -> None:
+    # A writable C-contiguous array is bound itself (a scatter shows through); any other
+    # is copied, so in-place effects write the copy and never the caller's memory.
+    if kind == "read-only":
+        caller = np.zeros((4, 3), dtype=np.int64)
+        caller.flags.writeable = False
+        target = caller
+    else:
+        caller = np.zeros((4, 6), dtype=np.int64)
+        target = caller[:, ::2]  # every other column: not contiguous
+    interp = NumpyInterpreter(rank=0)
+    interp.bind(TOKENS, np.ones((2, 3), dtype=np.int64))
+    interp.bind(COUNTS, np.array([0, 2], dtype=np.int32))
+    interp.bind(WIRE, target)
+    scatter = ScatterRows(**TAG, source=TOKENS, index=COUNTS, target=WIRE, stream=Stream.MAIN)
+    interp.perform((scatter,))
+    assert interp.tensor(WIRE) is not target
+    assert interp.tensor(WIRE).tolist() == [[1, 1, 1], [0, 0, 0], [1, 1, 1], [0, 0, 0]]
+    assert not caller.any()  # the caller's memory is untouched
+
+
+def test_the_numpy_reference_resolves_refs_by_attribute_path_to_live_arrays() -> None:
+    interp = NumpyInterpreter(rank=0)
+    tokens, counts = TOKENS_VALUES.copy(), COUNTS_VALUES.copy()
+    interp.bind(TOKENS, tokens)
+    interp.bind(COUNTS, counts)
+    resolved = interp.resolve((TOKENS, [COUNTS, 7]))
+    assert set(resolved) == {"[0]", "[1][0]"}
+    assert resolved["[0]"] is tokens  # the live arrays: in-place effects show through
+    assert resolved["[1][0]"] is counts
+
+
+def test_event_completed_names_an_event_that_is_not_recorded() -> None:
+    interp = NumpyInterpreter(rank=0)
+    with pytest.raises(
+        InterpreterError, match=r"^NumpyInterpreter\.event_completed: event 'ghost' is not"
+    ) as raised:
+        interp.event_completed(EventRef("ghost"))
+    assert "ask about an event that is recorded" in str(raised.value)
+
+
+WORK = WorkRef("agree")
+# One effect of every kind, and how reports describe it.
+DESCRIBED: list[tuple[Effect, str]] = [
+    (
+        WaitStream(**TAG, stream=Stream.RELAY, waits_for=Stream.MAIN),
+        "wait_stream(relay waits for main)",
+    ),
+    (
+        RecordEvent(**TAG, stream=Stream.RELAY, event=EventRef("e")),
+        "record_event('e' on relay)",
+    ),
+    (WaitEvent(**TAG, stream=Stream.MAIN, event=EventRef("e")), "wait_event('e' on main)"),
+    (ForgetEvent(**TAG, event=EventRef("e")), "forget_event('e')"),
+    (
+        Allocate(**TAG, buffer=WIRE, shape=(2,), dtype=DType.INT64, stream=Stream.RELAY),
+        "allocate('wire')",
+    ),
+    (
+        CopyHostToDevice(**TAG, source=np.zeros(2, np.int32), buffer=WIRE, stream=Stream.MAIN),
+        "copy_host_to_device('wire')",
+    ),
+    (RECEIVE, "broadcast('wire' over pp_relay)"),
+    (
+        CheckHeader(**TAG, buffer=WIRE, expected=np.array([3, 2], np.int32), stream=Stream.RELAY),
+        "check_header('wire' == [3, 2])",
+    ),
+    (
+        AllReduce(
+            **TAG,
+            contribution=np.zeros((5, 1), np.int32),
+            result=COUNTS,
+            comm=Communicator.DP_CPU,
+            work=WORK,
+        ),
+        "all_reduce('counts' over dp_cpu, work 'agree')",
+    ),
+    (WaitWork(**TAG, work=WORK), "wait_work('agree')"),
+    (RecordStream(**TAG, buffer=WIRE, stream=Stream.MAIN), "record_stream('wire' on main)"),
+    (Release(**TAG, buffer=WIRE), "release('wire')"),
+    (Alias(**TAG, source=TOKENS, out=WIRE), "alias('tokens' as 'wire')"),
+    (
+        PadColumns(**TAG, source=TOKENS, out=WIRE, width=4, fill=0, stream=Stream.RELAY),
+        "pad_columns('tokens' -> 'wire')",
+    ),
+    (
+        StackRows(**TAG, sources=(TOKENS, COUNTS), out=WIRE, stream=Stream.RELAY),
+        "stack_rows(-> 'wire')",
+    ),
+    (
+        GatherRows(**TAG, source=TOKENS, index=COUNTS, out=WIRE, stream=Stream.MAIN),
+        "gather_rows('tokens' -> 'wire')",
+    ),
+    (
+        ScatterRows(**TAG, source=TOKENS, index=COUNTS, target=WIRE, stream=Stream.MAIN),
+        "scatter_rows('tokens' -> 'wire')",
+    ),
+    (Synchronize(**TAG, stream=Stream.RELAY), "synchronize(relay)"),
+    (pack(), "pack('tokens', 'counts' -> 'wire')"),
+    (unpack(), "unpack('wire' -> 'seen.tokens', 'seen.counts')"),
+]
+
+
+def test_describe_effect_names_every_kind_and_the_names_it_involves() -> None:
+    # What stall, deadlock and divergence reports show for an effect.
+    assert {type(effect) for effect, _ in DESCRIBED} == set(typing.get_args(Effect))
+    for effect, described in DESCRIBED:
+        assert describe_effect(effect) == described

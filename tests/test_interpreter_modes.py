@@ -3,8 +3,9 @@
 The numpy interpreter is the reference; the torch interpreter runs fast (the default),
 checked, with plans, and checked with plans, on a one-rank gloo world. A relay-like
 program (tests/_interpreter_programs.py) is compared after every batch: every bound
-buffer's contents and every bound name. Then bindings that do not fit a plan: the
-plan falls back to eager and raises eager's error, leaving eager's environment.
+buffer's contents and every bound name. Then bindings that do not fit a plan (buffers,
+events and work in flight): the plan falls back to eager and raises eager's error,
+leaving eager's environment.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from benchmarks.one_rank import one_rank_world
 from purepp.effects import plan
+from purepp.effects.keyed import KeyedEffects
 from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.plan import abstract
 from purepp.effects.torch_interpreter import TorchInterpreter
@@ -32,7 +34,11 @@ from purepp.effects.vocabulary import (
     Effect,
     EventRef,
     Op,
+    RecordEvent,
     Release,
+    Stream,
+    WaitEvent,
+    WaitWork,
     WorkRef,
 )
 from purepp.errors import InterpreterError
@@ -237,3 +243,97 @@ def test_a_structure_past_its_plan_variants_still_runs_every_batch() -> None:
     # lowered at their first meetings, and runs the layouts past them eagerly.
     assert planner.lowered == 2 * plan._VARIANTS
     assert planner.eager == 2 * layouts
+
+
+TAG = programs.Tag(step=3, op=Op.AGREE)
+EVENT, WORK = EventRef("received"), WorkRef("agree")
+INPUT = BufferRef("caller.table")  # bound by the caller: int32 [5, 1], an all-reduce's layout
+TABLE, OTHER_TABLE = BufferRef("agree.table"), BufferRef("agree.other_table")
+
+
+def agree(result: BufferRef) -> AllReduce:
+    return AllReduce(
+        **TAG,
+        contribution=programs.contribution(3),
+        result=result,
+        comm=Communicator.DP_CPU,
+        work=WORK,
+    )
+
+
+RECORD = RecordEvent(**TAG, stream=Stream.RELAY, event=EVENT)
+WAIT = WaitEvent(**TAG, stream=Stream.MAIN, event=EVENT)
+WAIT_WORK = WaitWork(**TAG, work=WORK)
+# Each case: what runs before the batch, the batch (its first meeting succeeds and
+# lowers a plan), what runs between, the batch of the same structure met again (now
+# not fitting: the plan's guard refuses it), and what eager names then.
+Misfit = tuple[tuple[Effect, ...], tuple[Effect, ...], tuple[Effect, ...], tuple[Effect, ...], str]
+MISFITS: dict[str, Misfit] = {
+    "event-not-recorded": ((RECORD,), (WAIT,), (), (WAIT,), "event 'received' is not recorded"),
+    "event-still-recorded": ((), (RECORD,), (), (RECORD,), "event 'received' is already"),
+    "work-not-in-flight": (
+        (agree(TABLE),),
+        (WAIT_WORK,),
+        (),
+        (WAIT_WORK,),
+        "work 'agree' is not in flight",
+    ),
+    "work-still-in-flight": (
+        (),
+        (agree(TABLE),),
+        (),
+        (agree(OTHER_TABLE),),
+        "work 'agree' is already in flight",
+    ),
+    "input-being-all-reduced": (
+        (),
+        (Release(**TAG, buffer=INPUT),),
+        (agree(INPUT),),
+        (Release(**TAG, buffer=INPUT),),
+        "'caller.table' is the result of all-reduce 'agree', which has not been waited on",
+    ),
+}
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "fast"])
+@pytest.mark.parametrize("case", sorted(MISFITS))
+def test_events_and_work_that_do_not_fit_a_plan_get_eagers_outcome(
+    groups: dict[Communicator, dist.ProcessGroup], checked: bool, case: str
+) -> None:
+    before, batch, between, again, problem = MISFITS[case]
+    outcomes = []
+    for plans in (False, True):
+        interp = TorchInterpreter(device=CPU, groups=groups, rank=0, checked=checked, plans=plans)
+        interp.bind(INPUT, torch.zeros((5, 1), dtype=torch.int32))
+        for effects in (before, batch, between):
+            if effects:
+                interp.perform(effects)
+        outcomes.append(_outcome(interp, again))
+        planner = interp.planner
+        if planner is not None:
+            # A checked plan checks its names before it runs: the batch it refuses runs
+            # eagerly. (A fast plan runs eager's own handlers, which raise the same.)
+            refused = 1 if checked else 0
+            assert planner.planned == 1 - refused
+            assert planner.eager == planner.lowered + refused
+    (eager_message, eager_env), (plan_message, plan_env) = outcomes
+    assert problem in eager_message
+    assert plan_message == eager_message
+    assert plan_env == eager_env
+
+
+def test_a_keyed_batch_whose_first_meeting_failed_is_planned_from_its_next() -> None:
+    # The failed first meeting leaves its structure's family without a plan: the next
+    # meeting reads its names and lowers one.
+    interp = TorchInterpreter(device=CPU, groups={}, rank=0, checked=True, plans=True)
+    planner = interp.planner
+    assert planner is not None
+    batch = KeyedEffects((Release(**TAG, buffer=INPUT),), structure=("release", 1))
+    with pytest.raises(InterpreterError, match=r"Release step=3.*'caller\.table' is not bound"):
+        interp.perform(batch)
+    assert (planner.eager, planner.lowered) == (1, 0)
+    for _ in range(2):
+        interp.bind(INPUT, torch.zeros(2, dtype=torch.int32))
+        interp.perform(batch)
+        assert interp.bound_refs() == frozenset()
+    assert (planner.eager, planner.lowered, planner.planned) == (2, 1, 1)

@@ -21,6 +21,7 @@ from purepp.effects.capture import Kernel, Slots, _analyse, _Bind
 from purepp.effects.plan import Plan, abstract, layout, roles
 from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.effects.vocabulary import (
+    Alias,
     Allocate,
     Broadcast,
     BufferRef,
@@ -28,9 +29,13 @@ from purepp.effects.vocabulary import (
     DType,
     Effect,
     EventRef,
+    GatherRows,
     Op,
+    Pack,
+    PadColumns,
     RecordEvent,
     Release,
+    ScatterRows,
     Section,
     Stream,
     Unpack,
@@ -302,3 +307,144 @@ def test_a_replayed_program_leaves_every_buffer_as_eager_does(
     assert any(capturable.host for capturable in analysed)
     groups = [group for capturable in analysed for group in capturable.copy_groups or ()]
     assert any(len(group) > 1 for group in groups)
+
+
+def capturing(monkeypatch: pytest.MonkeyPatch) -> TorchInterpreter:
+    """A CPU interpreter whose plans capture, with the graph emulated, in 3 instances."""
+    monkeypatch.setattr(capture, "_record", _emulated_record)
+    made = TorchInterpreter(device=CPU, groups={}, rank=0, plans=True)
+    planner = made.planner
+    assert planner is not None
+    planner._capture, planner._guarded, planner._copies = True, True, 3
+    return made
+
+
+def bound_values(interp: TorchInterpreter) -> dict[str, object]:
+    return {
+        ref.name: interp.tensor(ref).tolist()
+        for ref in interp.bound_refs()
+        if isinstance(ref, BufferRef)
+    }
+
+
+def capturables(interp: TorchInterpreter) -> list[Any]:
+    planner = interp.planner
+    assert planner is not None
+    plans = [plan for family in planner._plans.values() for plan in family.plans]
+    return [plan.capture for plan in plans if plan.capture is not None]
+
+
+SOURCE, INDEX = BufferRef("caller.source"), BufferRef("caller.index")
+
+
+def test_a_replay_makes_the_names_changes_inside_its_graph_as_eager_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Between the first and the last kernel: an alias of an input, views of a wire the
+    # graph packs, and a release. The graph makes the buffers; the names are bound and
+    # dropped after each replay, as eager binds and drops them.
+    def receive(interp: TorchInterpreter, step: int) -> tuple[Effect, ...]:
+        tag = programs.Tag(step=step, op=Op.RECEIVE)
+        main = Stream.MAIN
+        gathered, kept, wire = (programs.ref(step, w) for w in ("gathered", "kept", "wire"))
+        view, padded = programs.ref(step, "view"), programs.ref(step, "padded")
+        source = torch.arange(6, dtype=torch.int64).reshape(3, 2) + 10 * step
+        interp.bind(SOURCE, source)
+        interp.bind(INDEX, torch.tensor([step % 3, 2], dtype=torch.int32))
+        return (
+            GatherRows(**tag, source=SOURCE, index=INDEX, out=gathered, stream=main),
+            Alias(**tag, source=SOURCE, out=kept),
+            Pack(
+                **tag,
+                sections=(Section(buffer=gathered, offset=0, shape=(2, 2), dtype=DType.INT64),),
+                out=wire,
+                nbytes=32,
+                stream=main,
+            ),
+            Unpack(
+                **tag,
+                source=wire,
+                sections=(Section(buffer=view, offset=0, shape=(2, 2), dtype=DType.INT64),),
+                stream=main,
+            ),
+            Release(**tag, buffer=gathered),
+            PadColumns(**tag, source=view, out=padded, width=3, fill=-1, stream=main),
+        )
+
+    def end(step: int) -> tuple[Effect, ...]:
+        tag = programs.Tag(step=step, op=Op.END_STEP)
+        names = ("kept", "wire", "view", "padded")
+        return tuple(Release(**tag, buffer=programs.ref(step, w)) for w in names)
+
+    def run(interp: TorchInterpreter) -> list[dict[str, object]]:
+        seen = []
+        for i in range(6):
+            interp.perform(receive(interp, i))
+            seen.append(bound_values(interp))
+            interp.perform(end(i))
+        return seen
+
+    captured = capturing(monkeypatch)
+    assert run(captured) == run(TorchInterpreter(device=CPU, groups={}, rank=0))
+    assert captured.planner is not None
+    assert captured.planner.replayed == 5  # every batch after the first meeting
+    (analysed,) = capturables(captured)
+    assert (analysed.first, analysed.last) == (0, 5)
+
+
+def scatter(step: int) -> tuple[Effect, ...]:
+    tag = programs.Tag(step=step, op=Op.CONSUME)
+    return (
+        ScatterRows(**tag, source=SOURCE, index=INDEX, target=programs.TABLE, stream=Stream.MAIN),
+    )
+
+
+def test_a_new_target_tensor_gets_an_instance_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A scatter's target is baked into the graph: a run with another tensor there never
+    # replays an instance captured over the first (it would write the wrong table).
+    def run(interp: TorchInterpreter) -> list[list[list[int]]]:
+        tables = [torch.zeros((4, 2), dtype=torch.int64) for _ in range(2)]
+        for i in range(6):
+            interp.bind(programs.TABLE, tables[i // 3])  # the first table, then the second
+            interp.bind(SOURCE, torch.full((1, 2), i + 1, dtype=torch.int64))
+            interp.bind(INDEX, torch.tensor([i % 4], dtype=torch.int32))
+            interp.perform(scatter(i))
+        return [table.tolist() for table in tables]
+
+    captured = capturing(monkeypatch)
+    assert run(captured) == run(TorchInterpreter(device=CPU, groups={}, rank=0))
+    assert captured.planner is not None
+    assert captured.planner.replayed == 5
+    (analysed,) = capturables(captured)
+    assert len(analysed.instances) == 2  # one per table
+
+
+def test_an_input_read_from_a_passing_tensor_is_never_baked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The table the plan was lowered with is baked (it stays); a run that reads another
+    # tensor there runs as the plan rather than take one of the few instances over it.
+    def run(interp: TorchInterpreter) -> list[dict[str, object]]:
+        table = torch.arange(8, dtype=torch.int64).reshape(4, 2)
+        seen = []
+        for i in range(6):
+            passing = i == 3
+            interp.bind(programs.TABLE, table + 100 if passing else table)
+            interp.bind(INDEX, torch.tensor([i % 4, 0], dtype=torch.int32))
+            tag = programs.Tag(step=i, op=Op.CONSUME)
+            gathered = programs.ref(i, "gathered")
+            main = Stream.MAIN
+            interp.perform(
+                (GatherRows(**tag, source=programs.TABLE, index=INDEX, out=gathered, stream=main),)
+            )
+            seen.append(bound_values(interp))
+            interp.perform((Release(**tag, buffer=gathered),))
+        return seen
+
+    captured = capturing(monkeypatch)
+    assert run(captured) == run(TorchInterpreter(device=CPU, groups={}, rank=0))
+    planner = captured.planner
+    assert planner is not None
+    assert planner.replayed == 4  # all but the first meeting and the passing table
+    gather = next(c for c in capturables(captured) if c.steady)
+    assert len(gather.instances) == 1  # captured over the table that stays, only

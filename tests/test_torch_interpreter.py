@@ -60,7 +60,7 @@ from purepp.effects.vocabulary import (
     WaitWork,
     WorkRef,
 )
-from purepp.errors import ConfigError, HeaderMismatchError, InterpreterError
+from purepp.errors import ConfigError, HeaderMismatchError, InterpreterError, PeerFailureError
 from tests.strategies import gather_cases, scatter_cases
 
 CPU = torch.device("cpu")
@@ -220,6 +220,60 @@ def test_init_distributed_refuses_a_rank_outside_its_world_or_no_timeout(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=seconds),
         )
+
+
+def test_init_distributed_refuses_a_second_world_and_keeps_the_first(
+    groups: dict[Communicator, dist.ProcessGroup],
+) -> None:
+    with pytest.raises(
+        ConfigError, match=r"^init_distributed: the default process group is already initialised"
+    ) as e:
+        init_distributed(
+            backend="gloo",
+            init_method="file:///nonexistent/store",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=1),
+        )
+    assert "destroy_process_group before re-initialising" in str(e.value)
+    assert dist.get_world_size() == 1
+    assert dist.get_process_group_ranks(groups[Communicator.PP_RELAY]) == [0]
+
+
+@pytest.mark.parametrize("kind", ["PP", "DP"])
+def test_build_communicators_puts_a_rank_in_one_group_of_each_kind(
+    groups: dict[Communicator, dist.ProcessGroup], kind: str
+) -> None:
+    twice, once = [[0], [0]], [[0]]
+    with pytest.raises(ConfigError, match=rf"rank 0 is in more than one {kind} group") as e:
+        build_communicators(
+            pp_groups=twice if kind == "PP" else once,
+            dp_groups=twice if kind == "DP" else once,
+            relay_backend="gloo",
+            timeout=datetime.timedelta(seconds=1),
+        )
+    assert f"put each rank in at most one {kind} group" in str(e.value)
+
+
+def test_a_group_that_cannot_be_created_is_a_peer_failure_naming_it(
+    groups: dict[Communicator, dist.ProcessGroup], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def peer_gone(*args: object, **kwargs: object) -> dist.ProcessGroup:
+        raise RuntimeError("Connection closed by peer")  # a peer died meanwhile
+
+    monkeypatch.setattr(dist, "new_group", peer_gone)
+    with pytest.raises(
+        PeerFailureError,
+        match=r"^build_communicators: creating the gloo group for pp_relay over ranks \(0,\) "
+        "failed on rank 0: Connection closed by peer",
+    ) as e:
+        build_communicators(
+            pp_groups=[[0]],
+            dp_groups=[[0]],
+            relay_backend="gloo",
+            timeout=datetime.timedelta(seconds=1),
+        )
+    assert "read the other ranks' logs" in str(e.value)
 
 
 def test_the_interpreter_refuses_a_device_it_cannot_use_and_no_graph_copies() -> None:
