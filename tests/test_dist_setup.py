@@ -44,3 +44,27 @@ def test_a_rendezvous_nobody_answers_is_a_peer_failure_leaving_no_world() -> Non
     assert repr(address) in str(e.value)
     assert "same init_method and world_size within the timeout" in str(e.value)
     assert not dist.is_initialized()
+
+
+def test_build_communicators_refuses_a_relay_backend_it_cannot_make() -> None:
+    # Checked before any group is made (each new_group is a collective over the world).
+    with pytest.raises(ConfigError, match=r"^build_communicators: relay_backend='mpi'"):
+        build_communicators(
+            pp_groups=[[0]],
+            dp_groups=[[0]],
+            relay_backend="mpi",  # type: ignore[arg-type]
+            timeout=datetime.timedelta(seconds=1),
+        )
+
+
+@pytest.mark.skipif(dist.is_nccl_available(), reason="this torch has NCCL")
+def test_an_nccl_relay_on_a_torch_without_nccl_says_so() -> None:
+    # Was a PeerFailureError telling the user to read the other ranks' logs.
+    with pytest.raises(ConfigError, match=r"this build of torch has no NCCL") as caught:
+        build_communicators(
+            pp_groups=[[0]],
+            dp_groups=[[0]],
+            relay_backend="nccl",
+            timeout=datetime.timedelta(seconds=1),
+        )
+    assert "use relay_backend='gloo'" in str(caught.value)

@@ -361,8 +361,9 @@ class NumpyInterpreter:
     def bind(self, ref: BufferRef, array: npt.ArrayLike) -> None:
         """Bind the caller's array to `ref` (on the main stream), replacing any earlier binding.
 
-        A writable int64/int32/bool array is bound itself, so in-place effects
-        (ScatterRows) are visible to the caller; anything else is copied first.
+        A writable, C-contiguous int64 or int32 array is bound itself, so in-place
+        effects (ScatterRows) are visible to the caller; a read-only or strided one is
+        copied first; any other dtype is refused.
         """
         call = "NumpyInterpreter.bind"
         self._env.check_rebindable(call, ref)

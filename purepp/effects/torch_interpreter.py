@@ -248,6 +248,14 @@ def build_communicators(
     holds only the groups this rank is in.
     """
     call = "build_communicators"
+    if relay_backend not in ("gloo", "nccl"):
+        raise ConfigError(call, f"relay_backend={relay_backend!r}", "use 'nccl' or 'gloo'")
+    if relay_backend == "nccl" and not dist.is_nccl_available():
+        raise ConfigError(
+            call,
+            "relay_backend='nccl' but this build of torch has no NCCL",
+            "use relay_backend='gloo' (CPU), or a CUDA build of torch",
+        )
     if not dist.is_initialized():
         raise ConfigError(call, "no default process group", "call init_distributed first")
     _check_timeout(call, timeout)
