@@ -353,11 +353,17 @@ def test_each_option_accepts_its_upper_bound_and_refuses_one_past_it() -> None:
         {"min_prompt": 5, "max_prompt": 4},
         {"min_output": 0},
         {"min_output": 5, "max_output": 4},
+        {"num_requests": True},  # a bool is not a count
+        {"vocab_size": 0},
+        {"arrival_span": 0},  # arrivals over steps 0..arrival_span-1: none
+        {"seed": -1},  # numpy's generators take seeds >= 0
+        {"abort_fraction": 1.5},
+        {"abort_fraction": float("nan")},
     ],
 )
-def test_a_workload_config_out_of_bounds_is_refused(bad: dict[str, int]) -> None:
-    with pytest.raises(ConfigError, match="WorkloadConfig"):
-        WorkloadConfig(**bad)
+def test_a_workload_config_out_of_bounds_is_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match=r"^WorkloadConfig: "):
+        WorkloadConfig(**bad)  # type: ignore[arg-type]
 
 
 def test_a_workload_at_its_bounds_is_drawn() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from purepp._checks import check_int
 from purepp.errors import ConfigError
 
 __all__ = ["Request", "Workload", "WorkloadConfig", "make_workload"]
@@ -39,22 +40,33 @@ class WorkloadConfig:
     seed: int = 0  # everything above is drawn from this
 
     def __attrs_post_init__(self) -> None:
-        if self.num_requests < 0 or self.dp_size < 1:
+        call = "WorkloadConfig"
+        for name, low in _COUNTS:
+            check_int(call, name, getattr(self, name), low, config=True)
+        if self.min_prompt > self.max_prompt or self.min_output > self.max_output:
             raise ConfigError(
-                "WorkloadConfig",
-                f"num_requests={self.num_requests}, dp_size={self.dp_size}",
-                "use num_requests >= 0 and dp_size >= 1",
-            )
-        if (
-            not 1 <= self.min_prompt <= self.max_prompt
-            or not 1 <= self.min_output <= self.max_output
-        ):
-            raise ConfigError(
-                "WorkloadConfig",
+                call,
                 f"prompt {self.min_prompt}..{self.max_prompt}, "
                 f"output {self.min_output}..{self.max_output}",
                 "use 1 <= min <= max for prompt and output lengths",
             )
+        share = self.abort_fraction
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+            raise ConfigError(call, f"abort_fraction={share!r}", "pass a share in 0..1")
+
+
+# Each count with its least value (a workload of no requests is a workload).
+_COUNTS = (
+    ("num_requests", 0),
+    ("dp_size", 1),
+    ("vocab_size", 1),
+    ("min_prompt", 1),
+    ("max_prompt", 1),
+    ("min_output", 1),
+    ("max_output", 1),
+    ("arrival_span", 1),
+    ("seed", 0),
+)
 
 
 @attrs.frozen(kw_only=True)
