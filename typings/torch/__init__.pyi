@@ -177,6 +177,14 @@ def empty(
     device: _Device | None = None,
     pin_memory: _bool = False,
 ) -> Tensor: ...
+def empty_strided(
+    size: Sequence[_int],
+    stride: Sequence[_int],
+    *,
+    dtype: dtype | None = None,
+    device: _Device | None = None,
+    pin_memory: _bool = False,
+) -> Tensor: ...
 @overload
 def ones(
     size: Sequence[_int], *, dtype: dtype | None = None, device: _Device | None = None
