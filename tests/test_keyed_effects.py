@@ -27,7 +27,16 @@ from purepp.batch import BatchFacts
 from purepp.effects.keyed import KeyedEffects
 from purepp.effects.plan import Structure, abstract, name_reader
 from purepp.effects.torch_interpreter import TorchInterpreter
-from purepp.effects.vocabulary import BufferRef, Communicator, DType, Effect, TensorSpec
+from purepp.effects.vocabulary import (
+    BufferRef,
+    Communicator,
+    DType,
+    Effect,
+    Op,
+    Release,
+    TensorSpec,
+)
+from purepp.errors import InvalidInputError
 from purepp.relay import (
     Platform,
     RelayConfig,
@@ -286,3 +295,12 @@ def test_keyed_plans_match_eager(
     planner = planned.planner
     assert planner is not None
     assert planner.planned > 3 * planner.lowered  # steady steps ran their plans
+
+
+def test_a_keyed_batch_whose_structure_cannot_be_hashed_is_a_typed_error() -> None:
+    # A plan is found by the key: an embedder's own step keying by a list gets the fix.
+    interp = TorchInterpreter(device=CPU, groups={}, rank=0, plans=True)
+    release = Release(step=0, op=Op.END_STEP, buffer=BufferRef("gone"))
+    with pytest.raises(InvalidInputError, match=r"structure key \['end_step'\] is not hashable"):
+        interp.perform(KeyedEffects((release,), ["end_step"]))  # type: ignore[arg-type]
+    assert interp.bound_refs() == frozenset()

@@ -308,6 +308,18 @@ _set_stream: Any = getattr(torch._C, "_cuda_setStream", None)
 _TORCH_DTYPES: dict[DType, torch.dtype] = {d: torch_dtype(d) for d in DType}
 
 
+def _check_structure(call: str, effects: KeyedEffects) -> None:
+    """A plan is found by the batch's structure key: one that cannot be hashed is refused."""
+    try:
+        hash(effects.structure)
+    except TypeError:
+        raise InvalidInputError(
+            call,
+            f"the KeyedEffects structure key {effects.structure!r} is not hashable",
+            "key a batch by a hashable value (a tuple of ints, strings and enums)",
+        ) from None
+
+
 @functools.lru_cache(maxsize=1024)
 def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of a contiguous tensor of `shape`. An allocation passes them to
@@ -634,7 +646,10 @@ class TorchInterpreter:
             ):
                 return
         except (KeyError, TypeError):  # the error path only: no cost per batch
-            effect_batch("TorchInterpreter.perform", effects)  # raises the typed error
+            call = "TorchInterpreter.perform"
+            effect_batch(call, effects)  # raises the typed error
+            if type(effects) is KeyedEffects:
+                _check_structure(call, effects)
             raise
         self.perform_eager(effects)
 
