@@ -155,6 +155,10 @@ def main() -> None:
             "torch.empty [64, 4] int64": lambda: torch.empty(
                 (n, 4), dtype=torch.int64, device=device
             ),
+            # What the torch interpreter's Allocate calls (since ef36043).
+            "torch.empty_strided of the same": lambda: torch.empty_strided(
+                (n, 4), (4, 1), dtype=torch.int64, device=device
+            ),
             "ProcessGroup.broadcast(...).wait() [256] int64": lambda: _wait(
                 group.broadcast([wire], options)
             ),
