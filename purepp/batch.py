@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from purepp._checks import INT32_MAX, host_array
+from purepp._text import a_type
 from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray
 from purepp.errors import InvalidInputError
 
@@ -161,4 +162,8 @@ def need_sampled_mask(batch: BatchFacts) -> BoolArray | None:
     A row samples once its computed plus scheduled tokens reach the prefill
     length: a non-final prefill chunk produces nothing to relay.
     """
+    if type(batch) is not BatchFacts:
+        raise InvalidInputError(
+            "need_sampled_mask", f"batch is {a_type(batch)}", "pass the step's BatchFacts"
+        )
     return batch.sampled_mask

@@ -69,7 +69,14 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from purepp._checks import INT32_MAX, check_bool, check_int, check_optional_int, store_ints
+from purepp._checks import (
+    INT32_MAX,
+    as_int,
+    check_bool,
+    check_int,
+    check_optional_int,
+    store_ints,
+)
 from purepp._text import a_type, with_article
 from purepp._trusted import trusted
 from purepp.cudagraph import BatchExecutionDescriptor, CUDAGraphMode, Dispatcher
@@ -1132,6 +1139,19 @@ def agree_across_ranks(
     if dp_size < 1:
         raise ConfigError(call, "batches is empty", "pass one batch per rank")
     live = None if live_ranks is None else frozenset(live_ranks)
+    if live is not None:
+        if not live:
+            raise ConfigError(call, "live_ranks is empty", "name the ranks still alive")
+        # The live ranks' own groups check them; a set naming no rank of this world
+        # would build none, and return no outcome at all.
+        shown = sorted(live, key=repr)
+        outside = [r for r in shown if (rank := as_int(r)) is None or not 0 <= rank < dp_size]
+        if outside:
+            raise ConfigError(
+                call,
+                f"live_ranks={shown} names {outside[0]!r}, not a rank of 0..{dp_size - 1}",
+                "name live ranks by their index in batches",
+            )
     # A dead rank ran its start before it died: its column is stale, not absent.
     groups = [
         AgreementGroup(

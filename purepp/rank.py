@@ -51,7 +51,7 @@ from purepp.cudagraph import BatchExecutionDescriptor, Dispatcher
 from purepp.effects.arrays import IntArray
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.vocabulary import BufferRef, DType, Effect, TensorSpec
-from purepp.errors import InterpreterError, InvalidInputError
+from purepp.errors import ConfigError, InterpreterError, InvalidInputError
 from purepp.relay import (
     ConsumedOutputs,
     RelayConfig,
@@ -183,6 +183,18 @@ class RankSteps:
         [RelayConfig, RelayState, BatchFacts, TensorSpec], Step[RelayState, bool]
     ] = broadcast_drafts
     end_step: Callable[[RelayConfig, RelayState], Step[RelayState, None]] = end_step
+
+    def __attrs_post_init__(self) -> None:
+        # The annotations hold only under a type checker: a step that is no function
+        # would otherwise fail mid-step, after some of the step's effects were issued.
+        for field in attrs.fields(RankSteps):
+            step = getattr(self, field.name)
+            if not callable(step):
+                raise ConfigError(
+                    "RankSteps",
+                    f"{field.name}={step!r} is not callable",
+                    f"pass a function with the signature of the real {field.name} step",
+                )
 
 
 REAL_STEPS = RankSteps()

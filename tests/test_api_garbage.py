@@ -24,8 +24,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from purepp.batch import BatchFacts
+from purepp.batch import BatchFacts, need_sampled_mask
 from purepp.cudagraph import CaptureMode, CudaGraphDispatcher
+from purepp.dp import RankBatch, agree_across_ranks
 from purepp.effects.checker import check_log_dir, check_logs
 from purepp.effects.io import NumpyIO, TorchIO
 from purepp.effects.keyed import KeyedEffects
@@ -47,7 +48,7 @@ from purepp.effects.log import (
     record_json,
     replay,
 )
-from purepp.effects.numpy_interpreter import NumpyInterpreter
+from purepp.effects.numpy_interpreter import NumpyInterpreter, describe_effect
 from purepp.effects.simulator import simulate
 from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.effects.vocabulary import (
@@ -67,6 +68,7 @@ from purepp.rank import (
     Begun,
     RankConfig,
     RankDriver,
+    RankSteps,
     Sampled,
     ShapeFacts,
     agree,
@@ -151,6 +153,8 @@ DISPATCHER = CudaGraphDispatcher(
     lora_capture_cases=(0, 2, 4),
 )
 
+DP_BATCH = RankBatch(num_reqs=1, num_tokens=1)
+
 CYCLIC: dict[str, object] = {}
 CYCLIC["self"] = CYCLIC
 CYCLIC_LIST: list[object] = []
@@ -165,6 +169,31 @@ Case = tuple[Callable[[], object], type[PureppError], str]
 
 CASES: dict[str, Case] = {
     # -- the rank step ---------------------------------------------------------------------
+    "RankSteps field": (
+        lambda: RankSteps(receive="receive"),  # type: ignore[arg-type]
+        ConfigError,
+        "RankSteps: receive='receive' is not callable",
+    ),
+    "need_sampled_mask batch": (
+        lambda: need_sampled_mask([0, 1]),  # type: ignore[arg-type]
+        InvalidInputError,
+        "need_sampled_mask: batch is a list",
+    ),
+    "describe_effect effect": (
+        lambda: describe_effect("allocate"),  # type: ignore[arg-type]
+        InvalidInputError,
+        "describe_effect: effect is a str",
+    ),
+    "agree_across_ranks live_ranks outside": (
+        lambda: agree_across_ranks(DISPATCHER, [DP_BATCH, DP_BATCH], live_ranks=[1, 5]),
+        ConfigError,
+        "live_ranks=[1, 5] names 5, not a rank of 0..1",
+    ),
+    "agree_across_ranks live_ranks empty": (
+        lambda: agree_across_ranks(DISPATCHER, [DP_BATCH, DP_BATCH], live_ranks=[]),
+        ConfigError,
+        "agree_across_ranks: live_ranks is empty",
+    ),
     "RankConfig dispatcher": (
         lambda: RankConfig(relay=CONFIG, dispatcher="graphs"),  # type: ignore[arg-type]
         InvalidInputError,

@@ -118,8 +118,15 @@ def numpy_dtype(dtype: DType) -> np.dtype[Any]:
             typing.assert_never(dtype)
 
 
+_EFFECTS = typing.get_args(Effect)  # every effect kind, for isinstance
+
+
 def describe_effect(effect: Effect) -> str:
     """A short description of an effect for reports: kind and the names it involves."""
+    if not isinstance(effect, _EFFECTS):
+        raise InvalidInputError(
+            "describe_effect", f"effect is {a_type(effect)}", "pass an effect (purepp.effects)"
+        )
     match effect:
         case WaitStream():
             return f"wait_stream({effect.stream.value} waits for {effect.waits_for.value})"
