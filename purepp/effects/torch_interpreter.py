@@ -306,6 +306,7 @@ _current_stream: Any = getattr(torch._C, "_cuda_getCurrentStream", None)
 _set_stream: Any = getattr(torch._C, "_cuda_setStream", None)
 
 _TORCH_DTYPES: dict[DType, torch.dtype] = {d: torch_dtype(d) for d in DType}
+_ITEMSIZE: dict[DType, int] = {d: itemsize(d) for d in DType}
 
 
 def _check_structure(call: str, effects: KeyedEffects) -> None:
@@ -329,9 +330,6 @@ def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
     for axis in range(len(shape) - 1, 0, -1):
         strides[axis - 1] = strides[axis] * max(shape[axis], 1)
     return tuple(strides)
-
-
-_ITEMSIZE: dict[DType, int] = {d: itemsize(d) for d in DType}
 
 
 def _all_reduce_options(asynchronous: bool) -> dist.AllreduceOptions:
