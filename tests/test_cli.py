@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -232,6 +234,29 @@ def test_launch_names_its_own_arguments_where_purepp_run_names_its_flags(
     assert (
         "purepp run: --trace '' is empty. Fix: name a file you can write to, e.g. --trace" in line
     )
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        ({"settings": {"pp": 1}}, "launch: settings is a dict. Fix: pass a RunSettings"),
+        ({"progress": "yes"}, "launch: progress='yes' is not a bool"),
+        ({"run_id": 5}, "launch: run_id=5 is not a run id"),
+        ({"run_id": ""}, "launch: run_id='' is not a run id"),
+    ],
+)
+def test_launch_refuses_arguments_of_the_wrong_kind_before_starting_anything(
+    arguments: dict[str, Any], said: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A research runner calls launch untyped: refused here, not by every rank process.
+    started: list[object] = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
+    given: dict[str, Any] = {"settings": RunSettings(pp=1, dp=1), "progress": False}
+    given.update(arguments)
+    settings = given.pop("settings")
+    with pytest.raises(UsageError, match=f"^{re.escape(said)}"):
+        launch(settings, **given)
+    assert started == []
 
 
 def test_a_log_folder_file_named_as_a_rank_log_that_is_no_log_is_refused_and_kept(

@@ -35,6 +35,7 @@ from types import FrameType
 
 import attrs
 
+from purepp._text import a_type
 from purepp.effects import logfile
 from purepp.errors import InvalidInputError
 from purepp.runner.exit_codes import RankExit
@@ -680,6 +681,15 @@ def launch(
     Interrupted on SIGINT, SIGTERM or SIGHUP; every process is stopped and the
     temporary folder removed in each case.
     """
+    if type(settings) is not RunSettings:
+        raise UsageError(
+            spelling.call, f"settings is {a_type(settings)}", "pass a RunSettings (its options)"
+        )
+    if type(progress) is not bool:
+        raise spelling.refuse("progress", progress, "is not a bool", "pass True or False")
+    if run_id is not None and (type(run_id) is not str or not run_id or run_id != run_id.strip()):
+        fix = "pass a non-empty id without spaces around it (every log header holds it)"
+        raise spelling.refuse("run_id", run_id, "is not a run id", fix)
     log_dir, trace = _path_text("log_dir", log_dir), _path_text("trace", trace)
     _check_devices(settings, spelling)
     if log_dir is not None:
