@@ -39,6 +39,7 @@ from __future__ import annotations
 import enum
 import functools
 import operator
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias, TypeVar
 
@@ -46,7 +47,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from purepp._checks import INT32_MAX, host_array
+from purepp._checks import INT32_MAX, check_bool, check_int, host_array, store_ints
 from purepp._text import a_type, with_article
 from purepp._trusted import trusted
 from purepp.batch import BatchFacts
@@ -196,9 +197,19 @@ def _check_config(config: RelayConfig) -> None:
             f"stage={stage} is outside 0..{pp_size - 1}",
             "pass this rank's index within its pipeline",
         )
-    _strict_int(call, "last_rank", config.last_rank, 0)
-    _strict_int(call, "max_num_reqs", config.max_num_reqs, 1)
-    _strict_int(call, "num_speculative_steps", config.num_speculative_steps, 0, 1024)
+    last_rank = _strict_int(call, "last_rank", config.last_rank, 0)
+    max_num_reqs = _strict_int(call, "max_num_reqs", config.max_num_reqs, 1)
+    spec = _strict_int(call, "num_speculative_steps", config.num_speculative_steps, 0, 1024)
+    # Python ints from here on: a numpy int8 speculation depth would wrap spec + 1 (and
+    # the cached packed layouts, keyed by equal values, would serve the wrapped one).
+    store_ints(
+        config,
+        pp_size=pp_size,
+        stage=stage,
+        last_rank=last_rank,
+        max_num_reqs=max_num_reqs,
+        num_speculative_steps=spec,
+    )
     for name, kind, value in (
         ("platform", Platform, config.platform),
         ("wire", Wire, config.wire),
@@ -241,10 +252,14 @@ def _check_buckets(config: RelayConfig) -> None:
             f"buckets={buckets} with max_num_reqs={config.max_num_reqs}",
             "pass increasing row counts whose largest is at least max_num_reqs",
         )
+    object.__setattr__(config, "buckets", tuple(sizes))
 
 
 def default_buckets(max_num_reqs: int) -> tuple[int, ...]:
     """Powers of two below `max_num_reqs`, then `max_num_reqs`: like CUDA-graph sizes."""
+    max_num_reqs = check_int(
+        "default_buckets", "max_num_reqs", max_num_reqs, 1, fix="pass the request slots (>= 1)"
+    )
     sizes = [1 << i for i in range(max_num_reqs.bit_length()) if 1 << i < max_num_reqs]
     return (*sizes, max_num_reqs)
 
@@ -345,6 +360,17 @@ class RelayConfig:
         """Rows on the wire for a batch of `num_reqs`: itself, or its bucket (fixed wire)."""
         if self.wire is not Wire.FIXED:
             return num_reqs
+        largest = self.buckets[-1]
+        if type(num_reqs) is not int or not 0 <= num_reqs <= largest:
+            count = check_int(
+                "RelayConfig.wire_rows",
+                "num_reqs",
+                num_reqs,
+                0,
+                largest,
+                fix=f"pass a request count within the largest bucket ({largest})",
+            )
+            return _bucket(self.buckets, count)
         return _bucket(self.buckets, num_reqs)
 
 
@@ -384,6 +410,46 @@ class RelayState:
     ring: tuple[PendingReceive | None, ...]  # oldest first; None = nothing pending that step
     generations: IntArray = attrs.field(eq=ARRAY_EQ)  # per-slot count of frees, immutable
     to_release: tuple[BufferRef, ...] = ()  # buffers this step no longer needs after it ends
+
+    def __attrs_post_init__(self) -> None:
+        # A state built by hand (or by attrs.evolve) is checked here, once; the steps
+        # build theirs with trusted constructors and check only that it fits the config.
+        _check_state_fields(self)
+
+
+def _check_state_fields(state: RelayState) -> None:
+    call = "RelayState"
+    check_int(call, "step", state.step, 0, sys.maxsize, fix="pass the decode step as an int >= 0")
+    generations = state.generations
+    if (
+        type(generations) is not np.ndarray
+        or generations.dtype != np.int32
+        or generations.ndim != 1
+    ):
+        raise InvalidInputError(
+            call,
+            f"generations is {_described(generations)}",
+            "pass a 1-D int32 numpy array of per-slot generations (init_relay's, or a step's)",
+        )
+    ring, to_release = state.ring, state.to_release
+    if type(ring) is not tuple or not all(
+        entry is None or type(entry) is PendingReceive for entry in ring
+    ):
+        raise InvalidInputError(
+            call,
+            f"ring={ring!r} holds something other than PendingReceive and None",
+            "pass the ring of a state the relay's steps returned",
+        )
+    if type(to_release) is not tuple or not all(type(ref) is BufferRef for ref in to_release):
+        raise InvalidInputError(
+            call, f"to_release={to_release!r}", "pass a tuple of BufferRef (a step's own)"
+        )
+
+
+def _described(value: object) -> str:
+    if isinstance(value, np.ndarray):
+        return f"a {value.ndim}-D {value.dtype} array"
+    return a_type(value)
 
 
 @attrs.frozen(kw_only=True)
@@ -862,6 +928,9 @@ def consume_previous_step(
     `config.inputs.draft_table`.
     """
     _check_state("consume_previous_step", config, state)
+    flag: object = update_drafts  # a caller's value, whatever its annotation says
+    if type(flag) is not bool:
+        update_drafts = check_bool("consume_previous_step", "update_drafts", flag)
     if not state.ring:
         return Step(state, (), None)
     oldest = state.ring[0]
