@@ -419,7 +419,10 @@ class RelayState:
 
 def _check_state_fields(state: RelayState) -> None:
     call = "RelayState"
-    check_int(call, "step", state.step, 0, sys.maxsize, fix="pass the decode step as an int >= 0")
+    step = check_int(
+        call, "step", state.step, 0, sys.maxsize, fix="pass the decode step as an int >= 0"
+    )
+    store_ints(state, step=step)
     generations = state.generations
     if (
         type(generations) is not np.ndarray

@@ -514,6 +514,8 @@ def test_a_hand_built_state_of_the_wrong_types_is_refused_when_built(case: str) 
     good = init_relay(config)
     rebuilt = RelayState(step=good.step, ring=good.ring, generations=good.generations)
     assert rebuilt == good
+    counted = RelayState(step=np.int64(3), ring=good.ring, generations=good.generations)  # type: ignore[arg-type]
+    assert type(counted.step) is int  # numpy's step is stored as the int it equals
     assert end_step(config, rebuilt).state.step == 1
     field = {"0-d table": "generations", "int64 table": "generations", "str step": "step"}
     with pytest.raises(PureppError, match=rf"^RelayState: {field.get(case, 'ring')}") as caught:

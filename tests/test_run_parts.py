@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 import pytest
 
 from purepp.effects.log import load_logs
@@ -372,6 +373,18 @@ def test_a_workload_at_its_bounds_is_drawn() -> None:
     requests = make_workload(config).requests
     assert [len(r.prompt) for r in requests] == [1] * 6
     assert [r.max_tokens for r in requests] == [2] * 6
+
+
+def test_numpy_counts_are_kept_as_python_ints() -> None:
+    """A count given as a numpy integer is stored as the Python int it equals, so the
+    settings equal the plain ones and no later sum (pp * dp, a seed + rank) wraps."""
+    settings = RunSettings(pp=np.int8(2), dp=np.uint8(2), steps=np.int64(9))  # type: ignore[arg-type]
+    assert settings == RunSettings(pp=2, dp=2, steps=9)
+    assert {type(settings.pp), type(settings.dp), type(settings.steps)} == {int}
+    workload = WorkloadConfig(num_requests=np.int8(120), seed=np.int16(7))  # type: ignore[arg-type]
+    assert type(workload.num_requests) is int
+    assert type(workload.seed) is int
+    assert workload == WorkloadConfig(num_requests=120, seed=7)
 
 
 # -- the ranks' options ---------------------------------------------------------------

@@ -6,7 +6,7 @@ import math
 
 import attrs
 
-from purepp._checks import INT32_MAX, check_int
+from purepp._checks import INT32_MAX, check_int, store_ints
 from purepp._text import a_type
 from purepp.cudagraph import CaptureMode, CudaGraphDispatcher
 from purepp.errors import ConfigError
@@ -98,8 +98,11 @@ def _check(settings: RunSettings) -> None:
     def refuse(field: str, problem: str, fix: str) -> ConfigError:
         return ConfigError(call, f"{field}={getattr(settings, field)!r} {problem}", fix)
 
-    for field, low, high in _COUNTS:
-        check_int(call, field, getattr(settings, field), low, high, config=True)
+    for field, low, high in _COUNTS:  # stored as Python ints: numpy's would wrap
+        store_ints(
+            settings,
+            **{field: check_int(call, field, getattr(settings, field), low, high, config=True)},
+        )
     if settings.pp > settings.num_layers:
         raise refuse(
             "pp", f"with num_layers={settings.num_layers}", "use at most one stage per layer"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from purepp._checks import check_int
+from purepp._checks import check_int, store_ints
 from purepp.errors import ConfigError
 
 __all__ = ["Request", "Workload", "WorkloadConfig", "make_workload"]
@@ -41,8 +41,8 @@ class WorkloadConfig:
 
     def __attrs_post_init__(self) -> None:
         call = "WorkloadConfig"
-        for name, low in _COUNTS:
-            check_int(call, name, getattr(self, name), low, config=True)
+        for name, low in _COUNTS:  # stored as Python ints: numpy's would wrap
+            store_ints(self, **{name: check_int(call, name, getattr(self, name), low, config=True)})
         if self.min_prompt > self.max_prompt or self.min_output > self.max_output:
             raise ConfigError(
                 call,
