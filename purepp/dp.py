@@ -158,6 +158,10 @@ class Lane(enum.Enum):
 # -- static configuration ---------------------------------------------------------------
 
 
+def _not_a_lane(call: str, lane: object) -> InvalidInputError:
+    return InvalidInputError(call, f"lane={lane!r} is not a Lane", "pass Lane.TARGET or DRAFTER")
+
+
 def _check_microbatch(instance: MicrobatchConfig) -> None:
     call = "MicrobatchConfig"
     store_ints(
@@ -310,14 +314,31 @@ class AgreementGroup:
 
     def comm_of(self, lane: Lane) -> Communicator:
         """The communicator `lane` reduces its table over."""
-        return self.comm if lane is Lane.TARGET else self.drafter_comm
+        if lane is Lane.TARGET:
+            return self.comm
+        if lane is Lane.DRAFTER:
+            return self.drafter_comm
+        raise _not_a_lane("AgreementGroup.comm_of", lane)
 
     def mark_dead(self, *ranks: int) -> AgreementGroup:
         """This group with `ranks` dead: later agreements ignore their columns."""
-        return attrs.evolve(self, live_ranks=frozenset(self.live).difference(ranks))
+        dead = [
+            check_int(
+                "AgreementGroup.mark_dead",
+                "rank",
+                rank,
+                0,
+                self.dp_size - 1,
+                fix=f"name ranks of this group, 0..{self.dp_size - 1}",
+            )
+            for rank in ranks
+        ]
+        return attrs.evolve(self, live_ranks=frozenset(self.live).difference(dead))
 
     def padded_counts(self, num_tokens: int) -> IntArray:
         """`num_tokens` for every live rank and 0 for every dead one, read-only."""
+        if type(num_tokens) is not int or not 0 <= num_tokens <= INT32_MAX:
+            num_tokens = check_int("AgreementGroup.padded_counts", "num_tokens", num_tokens, 0)
         known = self._padded_counts.get(num_tokens)
         if known is not None:
             return known
@@ -517,7 +538,11 @@ class AgreementLanes:
 
     def in_flight(self, lane: Lane) -> int | None:
         """The step `lane` has in flight, or None."""
-        return self.target if lane is Lane.TARGET else self.drafter
+        if lane is Lane.TARGET:
+            return self.target
+        if lane is Lane.DRAFTER:
+            return self.drafter
+        raise _not_a_lane("AgreementLanes.in_flight", lane)
 
 
 def _lanes(target: int | None, drafter: int | None) -> AgreementLanes:
@@ -589,10 +614,8 @@ def _check_start(
                     f"{name}={value!r} is not {with_article(cls.__name__)}",
                     f"pass {with_article(cls.__name__)}",
                 )
-    if type(step) is not int:
-        check_int(call, "step", step, 0, fix="pass the decode step as an int >= 0")
-    if step < 0:
-        raise InvalidInputError(call, f"step={step} is negative", "pass the decode step (>= 0)")
+    if type(step) is not int or not 0 <= step <= INT32_MAX:
+        check_int(call, "step", step, 0, fix=f"pass the decode step as an int in 0..{INT32_MAX}")
     if type(lane) is not Lane:
         raise InvalidInputError(call, f"lane={lane!r} is not a Lane", "pass Lane.TARGET or DRAFTER")
     if type(asynchronous) is not bool:
@@ -967,7 +990,7 @@ def _check_table(
     expected = (group.layout.rows, group.dp_size)
     if (
         type(reduced_table) is not np.ndarray
-        or reduced_table.dtype is not _INT32
+        or (reduced_table.dtype is not _INT32 and reduced_table.dtype != _INT32)
         or reduced_table.shape != expected
     ):
         described = (
@@ -1001,7 +1024,7 @@ def _check_table(
     )
     if sane and group.layout.microbatch is not None:
         votes = bounds[ROW_ALLOW_UBATCHING]
-        sane = votes[0] >= 0 and votes[-1] <= 1
+        sane = votes[0] == 1 == votes[-1]  # every rank votes 1 (see _column)
     if not sane:
         raise _bad_table(
             f"reduced_table holds values no rank contributes: {reduced_table.tolist()}",
@@ -1037,7 +1060,7 @@ def _decide(
     query_lens = bounds[ROW_MAX_QUERY_LEN]
     agreed_query_len = query_lens[-1] if query_lens[0] != -1 else None
     micro = group.layout.microbatch
-    if micro is not None and bounds[ROW_ALLOW_UBATCHING][0] == 1:
+    if micro is not None:  # every rank voted to microbatch (the table check saw to it)
         # purepp's departure: uniform decode is derived from agreed values only.
         threshold = (
             micro.decode_token_threshold
@@ -1135,10 +1158,20 @@ def agree_across_ranks(
     all-reduce and others would not (a hang in a real group).
     """
     call = "agree_across_ranks"
+    given: object = batches  # a caller's value, whatever its annotation says
+    if not isinstance(given, Sequence) or isinstance(given, str):
+        raise InvalidInputError(
+            call, f"batches is {a_type(batches)}", "pass a list of RankBatch, one per rank"
+        )
     dp_size = len(batches)
     if dp_size < 1:
         raise ConfigError(call, "batches is empty", "pass one batch per rank")
-    live = None if live_ranks is None else frozenset(live_ranks)
+    try:
+        live = None if live_ranks is None else frozenset(live_ranks)
+    except TypeError:
+        raise ConfigError(
+            call, f"live_ranks={live_ranks!r} is not a set of ranks", "pass ranks, e.g. {0, 2}"
+        ) from None
     if live is not None:
         if not live:
             raise ConfigError(call, "live_ranks is empty", "name the ranks still alive")

@@ -679,7 +679,11 @@ def _settled(
         raise InvalidInputError("settle", "no agreement in flight", "start one first")
     lanes, target = yield from _complete(begun.lanes, agreeing.pending, io)
     drafter = None
-    if config.drafter_dispatcher is not None:
+    if config.drafter_dispatcher is not None and target.sync is None and config.group.dp_size > 1:
+        # No rank has work: every rank's target decided to run nothing, and so does its
+        # drafter, with no second collective (there is no sync to reuse).
+        drafter = target
+    elif config.drafter_dispatcher is not None:
         sync = target.sync
         reuse = attrs.evolve(agreeing.facts, dp_sync=sync)
         if sync is not None:
