@@ -230,13 +230,14 @@ def test_settings_refuse_capture_sizes_the_dispatcher_refuses() -> None:
 
 
 def test_settings_accept_each_bound() -> None:
-    """The library's own bounds, at their edges (`purepp run` asks for a request or more)."""
-    RunSettings(pp=1, dp=1, steps=0, requests=0, spec=0, seed=0, timeout_s=0.001)
+    """The library's own bounds, at their edges (a run compares a request at least)."""
+    RunSettings(pp=1, dp=1, steps=0, requests=1, spec=0, seed=0, timeout_s=0.001)
     RunSettings(pp=8, num_layers=8, spec=MAX_SPECULATIVE_STEPS)
     refused: list[dict[str, Any]] = [
         dict(pp=9, num_layers=8),
         dict(steps=-1),
-        dict(requests=-1),
+        dict(requests=0),
+        dict(timeout_s=0.0009),
         dict(spec=-1),
     ]
     for bad in refused:

@@ -1122,6 +1122,13 @@ def log_paths(directory: str | os.PathLike[str]) -> tuple[Path, ...]:
             f"cannot be read ({os_reason(error)})",
             "pass the directory the ranks' logs were written to",
         ) from error
+    odd = [path.name for path in paths if not path.is_file()]  # a FIFO would block a read
+    if odd:
+        raise _dir_fail(
+            directory,
+            f"{odd[0]} is not a regular file",
+            "keep only the ranks' log files under *.jsonl names in the folder",
+        )
     if not paths:
         if below:
             shown = ", ".join(repr(str(folder)) for folder in below[:3])

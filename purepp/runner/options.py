@@ -20,9 +20,11 @@ import attrs
 from purepp.errors import ConfigError
 from purepp.relay import Wire
 from purepp.runner.settings import (
+    COUNT_LIMITS,
     INTERPRETER_MODES,
     MAX_SPECULATIVE_STEPS,
     MAX_TIMEOUT_S,
+    MIN_TIMEOUT_S,
     RunSettings,
 )
 
@@ -89,7 +91,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     """The options `purepp run` and the rank processes share (parsed by settings_from_args)."""
     d = RunSettings()
     add = parser.add_argument
-    add("--pp", default=d.pp, help=f"pipeline stages, 1..{d.num_layers} (default {d.pp})")
+    add("--pp", default=d.pp, help=f"pipeline stages, 1..--num-layers (default {d.pp})")
     add("--dp", default=d.dp, help=f"data-parallel replicas, 1 or more (default {d.dp})")
     add("--steps", default=d.steps, help="decode steps, for the reference too (0: until done)")
     add("--requests", default=d.requests, help=f"requests, 1 or more (default {d.requests})")
@@ -132,6 +134,26 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         "(repeated batches run as lowered plans) or captured (plans replayed as CUDA "
         "graphs; --backend nccl)",
     )
+    add("--num-layers", default=d.num_layers, help=f"toy model layers (default {d.num_layers})")
+    add(
+        "--max-num-reqs",
+        default=d.max_num_reqs,
+        help=f"request slots per replica (default {d.max_num_reqs})",
+    )
+    add(
+        "--max-num-batched-tokens",
+        default=d.max_num_batched_tokens,
+        help=f"token budget per step (default {d.max_num_batched_tokens})",
+    )
+    add(
+        "--chunk-size", default=d.chunk_size, help=f"longest prefill chunk (default {d.chunk_size})"
+    )
+    add(
+        "--capture-sizes",
+        default=",".join(map(str, d.capture_sizes)),
+        help="CUDA-graph token sizes, increasing, comma-separated (default "
+        f"{','.join(map(str, d.capture_sizes))})",
+    )
     add("--log-dir", default=None, help="write one effect log per rank here (replacing old ones)")
     add("--trace", default=None, help="write a Chrome/Perfetto trace to this file")
 
@@ -157,7 +179,7 @@ def _whole(
 
 def _timeout(spelling: Spelling, value: object) -> float:
     example = spelling.given("timeout", 60)
-    fix = f"pass a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}, e.g. {example}"
+    fix = f"pass {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} seconds, e.g. {example}"
     if isinstance(value, bool):
         raise spelling.refuse("timeout", value, "is not a number", fix)
     try:
@@ -168,6 +190,8 @@ def _timeout(spelling: Spelling, value: object) -> float:
         raise spelling.refuse("timeout", value, "is not finite", fix)
     if seconds <= 0:
         raise spelling.refuse("timeout", value, "is not above 0", fix)
+    if seconds < MIN_TIMEOUT_S:  # the ranks' process groups count whole milliseconds
+        raise spelling.refuse("timeout", value, f"is below {MIN_TIMEOUT_S:g} s", fix)
     if seconds > MAX_TIMEOUT_S:
         raise spelling.refuse("timeout", value, f"is above {MAX_TIMEOUT_S:g} s (a day)", fix)
     return seconds
@@ -194,9 +218,13 @@ def settings_from_args(
         "overlap_agreement": args.overlap_agreement,
         "wire": args.wire,
         "interpreter": args.interpreter,
+        "num_layers": args.num_layers,
+        "max_num_reqs": args.max_num_reqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "chunk_size": args.chunk_size,
+        "capture_sizes": args.capture_sizes,
     }
     raw.update(overrides)
-    d = RunSettings()
     spelling = Spelling(call, flags=True)
     backend = raw["backend"]
     if backend not in ("gloo", "nccl"):
@@ -220,25 +248,54 @@ def settings_from_args(
     if not isinstance(overlap, bool):
         raise spelling.refuse("overlap_agreement", overlap, "is not a flag", "omit a value")
 
-    def whole(setting: str, low: int, high: int | None, fix: str) -> int:
+    def whole(setting: str, what: str, high: int | None = None) -> int:
+        low, most = COUNT_LIMITS[setting]
+        high = most if high is None else high
+        fix = f"use {low}..{high} {what}"
         return _whole(spelling, setting, raw[setting], low=low, high=high, fix=fix)
 
-    return RunSettings(
-        pp=whole("pp", 1, d.num_layers, f"use 1..{d.num_layers} stages"),
-        dp=whole("dp", 1, None, "use 1 or more replicas"),
-        steps=whole("steps", 0, None, "use 0 (until every request is done) or more"),
-        requests=whole("requests", 1, None, "use 1 or more requests to compare"),
-        spec=whole(
-            "spec", 0, MAX_SPECULATIVE_STEPS, f"use 0..{MAX_SPECULATIVE_STEPS} speculative steps"
+    num_layers = whole("num_layers", "layers")
+    counts = {
+        "num_layers": num_layers,
+        "pp": whole(
+            "pp", "stages (one layer each at least)", min(num_layers, COUNT_LIMITS["pp"][1])
         ),
-        seed=whole("seed", 0, None, "use a whole number 0 or more"),
-        backend="nccl" if backend == "nccl" else "gloo",
-        timeout_s=_timeout(spelling, raw["timeout_s"]),
-        validate_header=validate_header,
-        overlap_agreement=overlap,
-        wire=str(wire),
-        interpreter=str(interpreter),
-    )
+        "dp": whole("dp", "replicas"),
+        "steps": whole("steps", "steps (0: until every request is done)"),
+        "requests": whole("requests", "requests to compare"),
+        "spec": whole("spec", "speculative steps"),
+        "seed": whole("seed", "as the seed"),
+        "max_num_reqs": whole("max_num_reqs", "request slots"),
+        "max_num_batched_tokens": whole("max_num_batched_tokens", "tokens"),
+        "chunk_size": whole("chunk_size", "tokens"),
+    }
+    try:
+        return RunSettings(
+            **counts,
+            backend="nccl" if backend == "nccl" else "gloo",
+            timeout_s=_timeout(spelling, raw["timeout_s"]),
+            validate_header=validate_header,
+            overlap_agreement=overlap,
+            wire=str(wire),
+            interpreter=str(interpreter),
+            capture_sizes=_capture_sizes(spelling, raw["capture_sizes"]),
+        )
+    except ConfigError as error:  # what only the settings see together (capture sizes)
+        raise UsageError(spelling.call, error.problem, error.fix) from None
+
+
+def _capture_sizes(spelling: Spelling, value: object) -> tuple[int, ...]:
+    """`--capture-sizes 1,2,4` (or launch's tuple) as a tuple of ints; the dispatcher
+    checks their order and range when the settings are built."""
+    fix = f"pass increasing token counts, e.g. {spelling.given('capture_sizes', '1,2,4,8')}"
+    if isinstance(value, tuple):
+        return value
+    try:
+        return tuple(int(size) for size in str(value).split(","))
+    except ValueError:
+        raise spelling.refuse(
+            "capture_sizes", value, "is not a list of whole numbers", fix
+        ) from None
 
 
 def _probe_folder(setting: str, value: str, folder: Path, fix: str, spelling: Spelling) -> None:

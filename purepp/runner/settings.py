@@ -13,10 +13,18 @@ from purepp.errors import ConfigError
 from purepp.relay import Wire
 from purepp.runner.workload import WorkloadConfig
 
-__all__ = ["INTERPRETER_MODES", "MAX_SPECULATIVE_STEPS", "MAX_TIMEOUT_S", "RunSettings"]
+__all__ = [
+    "COUNT_LIMITS",
+    "INTERPRETER_MODES",
+    "MAX_SPECULATIVE_STEPS",
+    "MAX_TIMEOUT_S",
+    "MIN_TIMEOUT_S",
+    "RunSettings",
+]
 
 MAX_SPECULATIVE_STEPS = 7  # the toy drafter's longest useful proposal
 MAX_TIMEOUT_S = 86_400.0  # a day; beyond it a "timeout" is a hang (and overflows gloo's)
+MIN_TIMEOUT_S = 0.001  # a millisecond: the ranks' process groups count whole milliseconds
 # The torch interpreter's modes (purepp.effects.torch_interpreter): the fast eager
 # default, every effect validated, repeated batches run as plans, plans captured into
 # CUDA graphs (nccl only).
@@ -73,19 +81,20 @@ class RunSettings:
         return w.arrival_span + waves * per_request + 2 * self.pp
 
 
-# Each count with its least and most values.
-_COUNTS = (
-    ("pp", 1, INT32_MAX),
-    ("dp", 1, INT32_MAX),
-    ("steps", 0, INT32_MAX),
-    ("requests", 0, INT32_MAX),
-    ("spec", 0, MAX_SPECULATIVE_STEPS),
-    ("seed", 0, INT32_MAX),
-    ("num_layers", 1, INT32_MAX),
-    ("max_num_reqs", 1, INT32_MAX),
-    ("max_num_batched_tokens", 1, INT32_MAX),
-    ("chunk_size", 1, INT32_MAX),
-)
+# Each count with its least and most values (`purepp run` checks its options by these).
+# A run compares its tokens with the reference's: it needs a request at least.
+COUNT_LIMITS: dict[str, tuple[int, int]] = {
+    "pp": (1, INT32_MAX),
+    "dp": (1, INT32_MAX),
+    "steps": (0, INT32_MAX),
+    "requests": (1, INT32_MAX),
+    "spec": (0, MAX_SPECULATIVE_STEPS),
+    "seed": (0, INT32_MAX),
+    "num_layers": (1, INT32_MAX),
+    "max_num_reqs": (1, INT32_MAX),
+    "max_num_batched_tokens": (1, INT32_MAX),
+    "chunk_size": (1, INT32_MAX),
+}
 _WIRES = tuple(wire.value for wire in Wire)
 
 
@@ -98,7 +107,7 @@ def _check(settings: RunSettings) -> None:
     def refuse(field: str, problem: str, fix: str) -> ConfigError:
         return ConfigError(call, f"{field}={getattr(settings, field)!r} {problem}", fix)
 
-    for field, low, high in _COUNTS:  # stored as Python ints: numpy's would wrap
+    for field, (low, high) in COUNT_LIMITS.items():  # stored as Python ints: numpy's wrap
         store_ints(
             settings,
             **{field: check_int(call, field, getattr(settings, field), low, high, config=True)},
@@ -110,8 +119,8 @@ def _check(settings: RunSettings) -> None:
     timeout = settings.timeout_s
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
         raise refuse("timeout_s", f"is {a_type(timeout)}", "pass a number of seconds")
-    if not (math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
-        fix = f"use a finite timeout above 0 and at most {MAX_TIMEOUT_S:g} s (a day)"
+    if not (math.isfinite(timeout) and MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S):
+        fix = f"use a timeout of {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} s (a day)"
         raise refuse("timeout_s", "is out of range", fix)
     for field in ("validate_header", "overlap_agreement"):
         if type(getattr(settings, field)) is not bool:

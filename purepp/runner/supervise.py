@@ -143,7 +143,15 @@ def _signals_stop_the_run() -> Iterator[None]:
 def _log_dir_lock(folder: Path, run_id: str, spelling: Spelling) -> Iterator[None]:
     """Hold `folder/.purepp.lock` for the run: a second run there is refused."""
     path = folder / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:  # a folder of that name, another user's lock file
+        raise UsageError(
+            spelling.call,
+            f"{spelling.given('log_dir', str(folder))} cannot be locked: {path} cannot be "
+            f"opened ({logfile.os_reason(error)})",
+            f"remove {path} if no run uses the folder, or pass another {spelling.name('log_dir')}",
+        ) from error
     try:
         held = logfile.lock_log_dir(fd, f"{os.getpid()} {run_id}")
         if held is not None:
@@ -364,8 +372,10 @@ class _World:
 
         def silent_too_long(rank: _Rank) -> bool:
             quiet = now - rank.beat_changed_at
-            if not rank.working or rank.beat is None or quiet < silent_s:
+            if not rank.working or quiet < silent_s:
                 return False
+            if rank.beat is None:  # never beat: frozen for sure only if stopped
+                return _is_stopped(rank.process.pid)
             return (
                 quiet >= silent_s + starting_s
                 or rank.beat.done > 0
@@ -376,7 +386,7 @@ class _World:
             (now - rank.beat_changed_at, rank) for rank in self.ranks if silent_too_long(rank)
         ]
         quiet_for, rank = max(silent, key=lambda item: item[0], default=(0.0, None))
-        if rank is None or rank.beat is None:
+        if rank is None:
             return None
         why = (
             "its process is stopped by a signal such as SIGSTOP"
@@ -385,7 +395,7 @@ class _World:
         )
         where = (
             f"after step {rank.beat.done} of {rank.beat.total}"
-            if rank.beat.done
+            if rank.beat is not None and rank.beat.done
             else "before its first step"
         )
         return (
@@ -610,6 +620,11 @@ def worker_argv(settings: RunSettings, log_dir: str | None, trace: str | None) -
         f"--timeout={settings.timeout_s!r}",
         f"--wire={settings.wire}",
         f"--interpreter={settings.interpreter}",
+        f"--num-layers={settings.num_layers}",
+        f"--max-num-reqs={settings.max_num_reqs}",
+        f"--max-num-batched-tokens={settings.max_num_batched_tokens}",
+        f"--chunk-size={settings.chunk_size}",
+        f"--capture-sizes={','.join(map(str, settings.capture_sizes))}",
     ]
     if settings.validate_header:
         argv.append("--validate-header")
@@ -653,13 +668,30 @@ def _check_devices(settings: RunSettings, spelling: Spelling) -> None:
 
 def _path_text(name: str, value: str | os.PathLike[str] | None) -> str | None:
     """A path argument as the text the ranks' options take; a Path as well as a str."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, os.PathLike) and isinstance(text := os.fspath(value), str):
-        return text
-    raise UsageError(
-        "launch", f"{name}={value!r} is not a path", f"pass {name} as a str or a pathlib.Path"
-    )
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else None
+    if isinstance(value, os.PathLike) and isinstance(path := os.fspath(value), str):
+        text = path
+    if text is None:
+        raise UsageError(
+            "launch", f"{name}={value!r} is not a path", f"pass {name} as a str or a pathlib.Path"
+        )
+    if "\0" in text:
+        raise UsageError(
+            "launch",
+            f"{name}={value!r} holds a NUL character",
+            f"pass {name} as a path without one",
+        )
+    return text
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether `path` names a file directly in `folder` (links and `..` resolved)."""
+    try:
+        return Path(path).resolve().parent == Path(folder).resolve()
+    except (OSError, RuntimeError):  # a link loop: check_trace names it
+        return False
 
 
 def launch(
@@ -687,15 +719,26 @@ def launch(
         )
     if type(progress) is not bool:
         raise spelling.refuse("progress", progress, "is not a bool", "pass True or False")
-    if run_id is not None and (type(run_id) is not str or not run_id or run_id != run_id.strip()):
+    if run_id is not None and (
+        type(run_id) is not str or not run_id or run_id != run_id.strip() or "\0" in run_id
+    ):
         fix = "pass a non-empty id without spaces around it (every log header holds it)"
         raise spelling.refuse("run_id", run_id, "is not a run id", fix)
     log_dir, trace = _path_text("log_dir", log_dir), _path_text("trace", trace)
     _check_devices(settings, spelling)
-    if log_dir is not None:
-        check_log_dir(log_dir, spelling=spelling)
+    if log_dir is not None and trace is not None and _inside(trace, log_dir):
+        raise spelling.refuse(
+            "trace",
+            trace,
+            f"is inside {spelling.given('log_dir', log_dir)}, which holds the run's logs only "
+            "(purepp check reads every *.jsonl there)",
+            f"write the trace outside {log_dir}",
+        )
+    # The trace first: a run refused for it has made no log folder yet.
     if trace is not None:
         check_trace(trace, spelling=spelling)
+    if log_dir is not None:
+        check_log_dir(log_dir, spelling=spelling)
     argv = worker_argv(settings, log_dir, trace)
     if run_id is not None:
         argv.append(f"--run-id={run_id}")
