@@ -1267,10 +1267,13 @@ def test_two_runs_differing_in_their_run_id_alone_are_equal_when_it_is_ignored()
     ]
     assert diff_logs(*runs, ignore_run_id=True) is None
     assert_logs_equal(*runs, ignore_run_id=True)
-    other_config = EffectLog(attrs.evolve(runs[1].header, config={"seed": 1}), SAMPLE.records)
+    other_config = EffectLog(
+        LogHeader.for_run(rank=1, world=HEADER.world, config={"seed": 1}, run_id="b"),
+        SAMPLE.records,
+    )
     ignored = diff_logs(runs[0], other_config, ignore_run_id=True)
     assert ignored is not None
-    assert ignored.splitlines()[-1] == "  fields that differ: config.seed"
+    assert ignored.splitlines()[-1] == "  fields that differ: config.seed, config_digest"
     shorter = EffectLog(runs[1].header, SAMPLE.records[:3])
     assert "every record is equal" not in (diff_logs(runs[0], shorter) or "")
     with pytest.raises(InvalidInputError, match="ignore_run_id"):

@@ -311,12 +311,12 @@ class Environment(Generic[B, E, W]):
     def check_header(
         self, call: Call, *, ref: BufferRef, shape: Shape, dtype: D, expected: Shape, int32: D
     ) -> None:
-        if shape != expected or dtype != int32:
+        if shape != expected or dtype != int32 or len(expected) != 1:
             self.fail(
                 call,
                 f"header {ref.name!r} is {dtype} {shape} but the expected header is "
                 f"{int32} {expected}",
-                "check an int32 header of the expected length",
+                "check a 1-D int32 header of the expected length",
             )
 
     def check_pad(self, call: Call, ref: BufferRef, shape: Shape, width: int) -> None:
@@ -360,7 +360,14 @@ class Environment(Generic[B, E, W]):
         target: tuple[Shape, D],
     ) -> None:
         (s, s_dtype), (t, t_dtype) = source, target
-        if not s or s[0] != index[0] or s[1:] != t[1:] or s_dtype != t_dtype:
+        if (
+            not s
+            or not t  # a 0-d target has no rows to scatter into
+            or len(index) != 1
+            or s[0] != index[0]
+            or s[1:] != t[1:]
+            or s_dtype != t_dtype
+        ):
             self.fail(
                 call,
                 f"source {source_ref.name!r} {s_dtype} {s}, index {index}, target "

@@ -623,4 +623,7 @@ class _Check:
             finished=finished,
             at_steps=tuple(self._at_step(r) for r in self._ranks),
             cycle=find_wait_cycle(edges),
+            unwaited=tuple(
+                (rank.rank, effect) for rank in self._ranks for effect in rank.lanes.unwaited()
+            ),
         )

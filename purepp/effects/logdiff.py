@@ -27,9 +27,14 @@ def _differing_fields(expected: LogRecord, actual: LogRecord) -> list[str]:
     ]
 
 
+def _same_as_written(want: object, got: object) -> bool:
+    """Equal as JSON text: in Python 1 == 1.0 == True, in a log file they differ."""
+    return json.dumps(want, sort_keys=True) == json.dumps(got, sort_keys=True)
+
+
 def _differing_keys(prefix: str, want: object, got: object) -> list[str]:
     """The dotted names of what differs, down into nested objects ("config.scripted.seed")."""
-    if want == got:
+    if _same_as_written(want, got):
         return []
     if not (isinstance(want, dict) and isinstance(got, dict)):
         return [prefix]
@@ -47,7 +52,7 @@ def _differing_header_fields(expected: LogHeader, actual: LogHeader) -> list[str
     for key in dict.fromkeys([*want, *got]):
         if key == "config":
             fields += _differing_keys("config", want.get(key), got.get(key))
-        elif want.get(key) != got.get(key):
+        elif not _same_as_written(want.get(key), got.get(key)):
             fields.append(key)
     return fields
 

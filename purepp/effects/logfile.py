@@ -149,7 +149,7 @@ def record_lines(call: str, records: Sequence[LogRecord], first_seq: int) -> lis
     for record in records:
         try:
             lines.append(record_json(record) + "\n")
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, AttributeError) as exc:  # a str where a ref is declared
             raise InvalidInputError(
                 call,
                 f"effect {first_seq + len(lines)} ({record.effect!r}) cannot be written as "
@@ -925,19 +925,21 @@ class LogStream:
         missing = [name for name in required if name not in obj]
         if missing:
             raise self._fail(1, f"required field missing @ header.{missing[0]}")
+        # The digest is compared here, naming the file: LogHeader would refuse it unnamed.
+        digest = obj.pop("config_digest", None)
         try:
             header = CONVERTER.structure(obj, LogHeader)
         except _STRUCTURE_ERRORS as exc:
             raise self._fail(1, describe_structure_error(exc, "header"), _OTHER_FIELDS) from exc
-        if header.config_digest is not None and header.config_digest != config_digest(
-            header.config
-        ):
-            raise self._fail(
-                1,
-                f"config_digest is {header.config_digest!r} but the config's digest is "
-                f"{config_digest(header.config)!r}: the config was changed after the run",
-                "check the logs the run wrote, unedited",
-            )
+        if digest is not None:
+            if type(digest) is not str or digest != config_digest(header.config):
+                raise self._fail(
+                    1,
+                    f"config_digest is {digest!r} but the config's digest is "
+                    f"{config_digest(header.config)!r}: the config was changed after the run",
+                    "check the logs the run wrote, unedited",
+                )
+            header = attrs.evolve(header, config_digest=digest)
         if expect_world is not None and header.world != expect_world:
             raise self._fail(
                 1,
@@ -1164,7 +1166,7 @@ def log_dir_writer(directory: Path) -> str | None:
                 fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
                 return lock.read(200).strip()
-    except OSError:  # no lock file: no run wrote here, or one that removed it
+    except (OSError, ValueError):  # no lock file (a run removed it), a NUL in the path
         pass
     return None
 

@@ -89,6 +89,15 @@ class LogHeader:
     config_digest: str | None = attrs.field(default=None, validator=_optional_text)
 
     def __attrs_post_init__(self) -> None:
+        digest = self.config_digest
+        if digest is not None and digest != config_digest(self.config):
+            # Written, it would never read back: the reader takes it for an edited config.
+            raise ConfigError(
+                "LogHeader",
+                f"config_digest={digest!r} is not its config's digest "
+                f"({config_digest(self.config)!r})",
+                "leave config_digest out, or build the header with LogHeader.for_run",
+            )
         if not isinstance(self.world, Layout):
             raise ConfigError(
                 "LogHeader",

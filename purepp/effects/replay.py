@@ -445,6 +445,12 @@ class _Analysis:
 
     def stack_rows(self, effect: StackRows) -> None:
         terms, sources = self.terms, [self.get(name) for name in effect.sources]
+        if not sources:
+            raise InvalidInputError(
+                _CALL,
+                f"{self.where}: a StackRows of no sources",
+                "stack one 1-D buffer or more (a log the relay wrote never holds this)",
+            )
         length = terms.vector(sources[0].shape, self.where)
         for other in sources[1:]:
             terms.same_shape(other.shape, sources[0].shape, self.where)

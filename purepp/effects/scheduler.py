@@ -379,6 +379,12 @@ class StreamLanes:
     def idle(self) -> bool:
         return not any(self._queues.values()) and not self._works
 
+    def unwaited(self) -> tuple[AllReduce, ...]:
+        """Asynchronous all-reduces that no `WaitWork` waited on (a rank must wait on each)."""
+        return tuple(
+            posted.effect for posted in self._works.values() if isinstance(posted.effect, AllReduce)
+        )
+
     def issue(self, effect: Effect) -> None:
         """Queue `effect` on its stream and run whatever can run."""
         # The cases in order of how often a log holds them (no effect class is another's

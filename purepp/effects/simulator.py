@@ -279,7 +279,14 @@ class _Simulation:
         live = [r for r in awaited.missing if not self._ranks[r].finished]
         # A wait within the step that posted the collective is a plain synchronous wait,
         # and a peer that has ended will never post: that is a deadlock, reported later.
-        if effect.step <= awaited.signature.step or not live or len(live) < len(awaited.missing):
+        # Only a receiver can outrun the ring; a sender waiting for its own broadcast
+        # waits for receivers that merely have not run yet.
+        if (
+            effect.step <= awaited.signature.step
+            or not live
+            or len(live) < len(awaited.missing)
+            or awaited.signature.src == rank.context.rank
+        ):
             return
         report = RingOverrunReport(
             rank=rank.context.rank,
