@@ -41,6 +41,7 @@ from types import GeneratorType
 from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
+import numpy as np
 
 from purepp import dp
 from purepp._checks import INT32_MAX, check_instance, check_interpreter
@@ -60,7 +61,10 @@ from purepp.relay import (
     Wire,
     broadcast_drafts,
     broadcast_sampled,
+    check_batch,
+    check_drafts,
     check_sampled_tokens,
+    check_state,
     consume_previous_step,
     end_step,
     free_request_slots,
@@ -290,6 +294,11 @@ def _check_shape(shape: ShapeFacts) -> None:
             raise InvalidInputError(
                 "ShapeFacts", f"{name}={value!r}", f"pass {name} as an int in 0..{INT32_MAX}"
             )
+    for name in ("uniform_token_count", "max_query_len"):
+        if getattr(shape, name) == 0:  # the DP table writes None as 0 (or -1)
+            raise InvalidInputError(
+                "ShapeFacts", f"{name}=0", f"pass {name} as an int >= 1, or None when not known"
+            )
     if type(shape.need_eager) is not bool:
         raise InvalidInputError("ShapeFacts", f"need_eager={shape.need_eager!r}", "pass a bool")
 
@@ -401,6 +410,9 @@ _FIELDS: dict[type, tuple[tuple[str, tuple[type, ...]], ...]] = {
 }
 
 
+_SUM = np.add.reduce  # a step's scheduled tokens, without ndarray.sum's Python wrapper
+
+
 def _check_agree(
     call: str,
     config: RankConfig,
@@ -413,12 +425,15 @@ def _check_agree(
     _expect(call, *phase)
     _expect(call, "batch", batch, BatchFacts)
     _expect(call, "shape", shape, ShapeFacts)
-    if shape.num_tokens < batch.num_reqs:  # dp.RankBatch refuses it too, naming itself
+    # The batch is relayed at finish, after the all-reduce: refused now, not then.
+    check_batch(call, config.relay, batch)
+    scheduled = int(_SUM(batch.num_scheduled_tokens))
+    if shape.num_tokens < max(scheduled, batch.num_reqs):
         raise InvalidInputError(
             call,
-            f"ShapeFacts.num_tokens={shape.num_tokens} is below the batch's {batch.num_reqs} rows",
-            "pass the step's scheduled tokens (after padding) as num_tokens: every batch "
-            "row schedules at least one",
+            f"ShapeFacts.num_tokens={shape.num_tokens} is below the batch's {scheduled} "
+            f"scheduled tokens ({batch.num_reqs} rows)",
+            "pass the step's scheduled tokens (after padding) as num_tokens",
         )
     if config.dispatcher is None and not shape.need_eager:
         # dp.start_agreement refuses it too, but would name itself and not the config.
@@ -484,6 +499,9 @@ def begin(config: RankConfig, state: RankState, steps: RankSteps = REAL_STEPS) -
     _expect("begin", "state", state, RankState)
     _expect_steps("begin", steps)
     if config.is_last_stage:
+        # Nothing consumed, so nothing checked the state: a state of another stage here
+        # would pass the agreement and fail only at the step's broadcast.
+        check_state("begin", config.relay, state.relay)
         return _Begun(relay=state.relay, lanes=state.lanes, consumed=None, agreeing=state.agreeing)
     taken = steps.consume(config.relay, state.relay, update_drafts=config.updates_drafts)
     yield taken.effects
@@ -653,6 +671,14 @@ def settle(
             "start this step's agreement first (start_agreement_phase, or "
             "start_next_agreement during the step before)",
         )
+    pending = agreeing.pending
+    if begun.lanes.in_flight(pending.lane) != pending.step:
+        raise InvalidInputError(
+            "settle",
+            f"begun.lanes has step {begun.lanes.in_flight(pending.lane)} in flight on the "
+            f"{pending.lane.value} lane, not its agreement's step {pending.step}",
+            "pass the Begun the phase that started the agreement returned",
+        )
     begun = _freed(config, begun, freed, steps)
     return (yield from _settled(config, begun, io, steps))
 
@@ -819,6 +845,8 @@ def _broadcast(
         "finish", config, batch.num_reqs, tokens, shown_as="Sampled.tokens", passed_as="tokens"
     )
     if config.wire is Wire.SEED:
+        if drafts is not None:  # checked before the tokens go out: peers would wait for it
+            check_drafts("finish", config, drafts)
         sent = steps.broadcast_sampled(config, relay, batch, tokens)
         yield sent.effects
         relay = sent.state

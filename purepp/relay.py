@@ -512,7 +512,7 @@ def _check_config_type(call: str, config: object) -> None:
         raise ConfigError(call, f"config is {a_type(config)}", "pass the RelayConfig of this relay")
 
 
-def _check_state(call: str, config: RelayConfig, state: object) -> RelayState:
+def check_state(call: str, config: RelayConfig, state: object) -> RelayState:
     """The boundary check of every step: the right types, and a state of this config."""
     if type(config) is not RelayConfig or type(state) is not RelayState:
         _check_config_type(call, config)
@@ -540,7 +540,7 @@ def _check_state(call: str, config: RelayConfig, state: object) -> RelayState:
 
 def end_step(config: RelayConfig, state: RelayState) -> Step[RelayState, None]:
     """Close the current step: release what it no longer needs and advance the counter."""
-    _check_state("end_step", config, state)
+    check_state("end_step", config, state)
     step = state.step
     releases = state.to_release
     effects: tuple[Effect, ...] = tuple(
@@ -569,7 +569,7 @@ def free_request_slots(
 ) -> Step[RelayState, None]:
     """Bump the generation of every slot in `slots` (once per occurrence)."""
     call = "free_request_slots"
-    _check_state(call, config, state)
+    check_state(call, config, state)
     given = host_array(call, "slots", slots)
     if not given.size:
         return Step(state, (), None)
@@ -606,7 +606,7 @@ def free_request_slots(
     return Step(new_state, (), None)
 
 
-def _check_batch(call: str, config: RelayConfig, batch: BatchFacts) -> None:
+def check_batch(call: str, config: RelayConfig, batch: BatchFacts) -> None:
     if type(batch) is not BatchFacts:
         raise InvalidInputError(call, f"batch is {a_type(batch)}", "pass the step's BatchFacts")
     if batch.max_slot >= config.max_num_reqs:
@@ -703,9 +703,9 @@ def receive(config: RelayConfig, state: RelayState, batch: BatchFacts) -> Step[R
     this rank's own step and request count before anything shaped by the batch.
     """
     call = "receive"
-    _check_state(call, config, state)
+    check_state(call, config, state)
     _require_stage(call, config, last=False)
-    _check_batch(call, config, batch)
+    check_batch(call, config, batch)
     newest = state.ring[-1]
     if newest is not None:
         raise InvalidInputError(
@@ -930,7 +930,7 @@ def consume_previous_step(
     tokens are written into the caller's [max_num_reqs, spec] int64 table bound to
     `config.inputs.draft_table`.
     """
-    _check_state("consume_previous_step", config, state)
+    check_state("consume_previous_step", config, state)
     flag: object = update_drafts  # a caller's value, whatever its annotation says
     if type(flag) is not bool:
         update_drafts = check_bool("consume_previous_step", "update_drafts", flag)
@@ -1031,7 +1031,9 @@ def _check_int64_2d(call: str, name: str, spec: TensorSpec) -> tuple[int, int]:
     return rows, width
 
 
-def _check_drafts(call: str, config: RelayConfig, drafts: TensorSpec) -> None:
+def check_drafts(call: str, config: RelayConfig, drafts: TensorSpec) -> None:
+    """`drafts` is the int64 [max_num_reqs, spec] draft table (`broadcast_drafts`, the
+    packed wires' `broadcast_sampled`, and the rank step's `finish` before it sends)."""
     rows, width = _check_int64_2d(call, "draft tokens", drafts)
     if width != config.num_speculative_steps or rows < config.max_num_reqs:
         raise InvalidInputError(
@@ -1092,9 +1094,9 @@ def broadcast_sampled(
     `broadcast_drafts` instead). The result says whether anything was sent.
     """
     call = "broadcast_sampled"
-    _check_state(call, config, state)
+    check_state(call, config, state)
     _require_stage(call, config, last=True)
-    _check_batch(call, config, batch)
+    check_batch(call, config, batch)
     check_sampled_tokens(call, config, batch.num_reqs, sampled)
     packed = config.wire is not Wire.SEED
     if packed and config.num_speculative_steps:
@@ -1104,7 +1106,7 @@ def broadcast_sampled(
                 f"no draft table on the {config.wire.value} wire with speculation",
                 "pass drafts=TensorSpec of the draft table: it travels with the tokens",
             )
-        _check_drafts(call, config, drafts)
+        check_drafts(call, config, drafts)
     elif drafts is not None:
         raise InvalidInputError(
             call,
@@ -1298,9 +1300,9 @@ def broadcast_drafts(
     the same mask as `broadcast_sampled`, which the receivers compute from the same batch.
     """
     call = "broadcast_drafts"
-    _check_state(call, config, state)
+    check_state(call, config, state)
     _require_stage(call, config, last=True)
-    _check_batch(call, config, batch)
+    check_batch(call, config, batch)
     spec = config.num_speculative_steps
     if spec == 0:
         raise InvalidInputError(
@@ -1314,7 +1316,7 @@ def broadcast_drafts(
             f"the {config.wire.value} wire sends drafts with the sampled tokens",
             "pass drafts to broadcast_sampled instead",
         )
-    _check_drafts(call, config, drafts)
+    check_drafts(call, config, drafts)
     if batch.sampled_mask is None:
         return Step(state, (), False)
 

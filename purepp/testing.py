@@ -46,12 +46,12 @@ from purepp.batch import BatchFacts, need_sampled_mask
 from purepp.cudagraph import BatchExecutionDescriptor, CaptureMode, CudaGraphDispatcher
 from purepp.effects.arrays import ARRAY_EQ, IntArray, arrays_equal, int32_array, readonly
 from purepp.effects.interpreter import Interpreter
-from purepp.effects.io import NumpyIO
+from purepp.effects.io import NumpyIO, numpy_spec
 from purepp.effects.log import EffectLog, Layout, LogHeader, Recorder
 from purepp.effects.numpy_interpreter import describe_effect
 from purepp.effects.simulator import RankContext, RankProgram, SimulationResult, simulate
-from purepp.effects.vocabulary import BufferRef, DType, Effect, TensorSpec
-from purepp.errors import ConfigError, InvalidInputError
+from purepp.effects.vocabulary import BufferRef, Effect, TensorSpec
+from purepp.errors import ConfigError, InterpreterError, InvalidInputError
 from purepp.rank import (
     REAL_STEPS,
     RankConfig,
@@ -243,6 +243,28 @@ class Schedule:
 
     config: ScheduleConfig  # what it was derived from
     steps: tuple[tuple[ReplicaStep, ...], ...]  # by step, then by replica
+
+    def __attrs_post_init__(self) -> None:
+        call = "Schedule"
+        check_instance(call, "config", self.config, ScheduleConfig)
+        config, steps = self.config, self.steps
+        fits = (
+            type(steps) is tuple
+            and len(steps) == config.steps
+            and all(
+                type(row) is tuple
+                and len(row) == config.dp
+                and all(type(replica) is ReplicaStep for replica in row)
+                for row in steps
+            )
+        )
+        if not fits:
+            raise InvalidInputError(
+                call,
+                f"steps is not {config.steps} tuples of {config.dp} ReplicaSteps "
+                f"(config.steps x config.dp)",
+                "build schedules with make_schedule, or give one ReplicaStep per step and replica",
+            )
 
     @property
     def world(self) -> Layout:
@@ -517,14 +539,20 @@ class RecordingTensors:
     def __init__(self, schedule: Schedule) -> None:
         check_instance("RecordingTensors", "schedule", schedule, Schedule)
         self._schedule = schedule
-        self._specs: dict[BufferRef, TensorSpec] = {}
+        self._bound: dict[BufferRef, npt.NDArray[Any]] = {}
 
     def bind(self, ref: BufferRef, value: npt.NDArray[Any], /) -> None:
-        dtype = DType.INT64 if value.dtype == np.int64 else DType.INT32
-        self._specs[ref] = TensorSpec(shape=tuple(value.shape), dtype=dtype)
+        check_instance("RecordingTensors.bind", ref.name, value, np.ndarray)
+        self._bound[ref] = value
 
     def spec(self, ref: BufferRef, /) -> TensorSpec:
-        return self._specs[ref]
+        """As `NumpyIO.spec`: the bound array's spec, refused unless int64 or int32."""
+        array = self._bound.get(ref)
+        if array is None:
+            raise InterpreterError(
+                "RecordingTensors.spec", f"buffer {ref.name!r} is not bound", "bind it first"
+            )
+        return numpy_spec("RecordingTensors.spec", ref, array)
 
     def upload(self, values: IntArray, /) -> npt.NDArray[Any]:
         return values

@@ -362,7 +362,7 @@ def test_a_missing_dispatcher_is_named_on_the_rank_config() -> None:
             attempt()
         assert "pass RankConfig(dispatcher=...)" in str(caught.value)
     # A profile run forces eager and needs no dispatcher.
-    agreed = driver.agree(begun, batch, ShapeFacts(num_tokens=4, need_eager=True))
+    agreed = driver.agree(begun, batch, ShapeFacts(num_tokens=12, need_eager=True))
     assert agreed.descriptor.cg_mode.name == "NONE"
     with pytest.raises(InvalidInputError, match=r"start_next_agreement: RankConfig\.dispatcher"):
         driver.start_next(agreed, world.schedule.at(1, 0).batch, shape_of(world.schedule, 1))
@@ -447,7 +447,9 @@ def test_finish_names_a_float_count_that_the_torch_interpreter_binds() -> None:
     assert "pass num_rejected as an int32 tensor of shape [4]" in str(caught.value)
 
 
-def test_a_token_count_below_the_batch_rows_is_named_on_the_call_that_took_it() -> None:
+def test_a_token_count_below_the_batchs_scheduled_tokens_is_named_on_the_call_that_took_it() -> (
+    None
+):
     world = one_rank_driver()
     driver, batch = world.driver, world.schedule.at(0, 0).batch
     assert batch.num_reqs == 4
@@ -459,7 +461,8 @@ def test_a_token_count_below_the_batch_rows_is_named_on_the_call_that_took_it() 
     ):
         with pytest.raises(
             InvalidInputError,
-            match=rf"^{call}: ShapeFacts\.num_tokens=3 is below the batch's 4 rows",
+            match=rf"^{call}: ShapeFacts\.num_tokens=3 is below the batch's \d+ scheduled "
+            r"tokens \(4 rows\)",
         ) as caught:
             attempt()
         assert "pass the step's scheduled tokens (after padding) as num_tokens" in str(caught.value)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from purepp.effects.torch_interpreter import TorchInterpreter
 
-__all__ = ["NumpyIO", "TorchIO"]
+__all__ = ["NumpyIO", "TorchIO", "numpy_spec"]
 
 # A spec is asked for every caller tensor a step reads: built from the tensor's own shape
 # (a tuple of ints) and a dtype looked up by the dtype object, nothing to convert or check.
@@ -56,6 +56,12 @@ def _host_int32(call: str, values: object) -> npt.NDArray[Any]:
     return values
 
 
+def numpy_spec(call: str, ref: BufferRef, array: npt.NDArray[Any]) -> TensorSpec:
+    """The spec of the numpy array bound to `ref`; an InterpreterError unless int64 or int32."""
+    dtype = array.dtype
+    return _spec(call, ref, array.shape, _NUMPY_DTYPES.get(dtype), dtype)
+
+
 class NumpyIO:
     """Caller arrays bound in a `NumpyInterpreter` (the simulator's ranks, CPU tests)."""
 
@@ -67,9 +73,7 @@ class NumpyIO:
         self.interpreter.bind(ref, value)
 
     def spec(self, ref: BufferRef, /) -> TensorSpec:
-        array = self.interpreter.tensor(ref)
-        dtype = array.dtype
-        return _spec("NumpyIO.spec", ref, array.shape, _NUMPY_DTYPES.get(dtype), dtype)
+        return numpy_spec("NumpyIO.spec", ref, self.interpreter.tensor(ref))
 
     def upload(self, values: IntArray, /) -> npt.NDArray[Any]:
         return np.array(_host_int32("NumpyIO.upload", values), copy=True)
