@@ -12,7 +12,7 @@ import numpy.typing as npt
 
 from purepp._checks import INT32_MAX, host_array
 from purepp._text import a_type
-from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray
+from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray, reduce_frozen
 from purepp.errors import InvalidInputError
 
 __all__ = ["BatchFacts", "need_sampled_mask"]
@@ -104,16 +104,19 @@ class BatchFacts:
     All arrays are immutable int32, one entry per batch row; validated once, here.
     """
 
+    __reduce__ = reduce_frozen  # its arrays stay frozen in a copy
+
     idx_mapping: IntArray = attrs.field(eq=ARRAY_EQ, hash=False)  # batch row -> request slot
     num_computed_tokens: IntArray = attrs.field(eq=ARRAY_EQ, hash=False)  # tokens computed
     num_scheduled_tokens: IntArray = attrs.field(eq=ARRAY_EQ, hash=False)  # scheduled now
     prefill_len: IntArray = attrs.field(eq=ARRAY_EQ, hash=False)  # prompt length to finish
     # rows that produce a sampled token this step (None: no row does), computed once
-    sampled_mask: BoolArray | None = attrs.field(eq=False, repr=False)
+    sampled_mask: BoolArray | None = attrs.field(init=False, eq=False, repr=False)
     # derived once here, read by every relay step: whether every row samples, and the
     # largest slot (-1 for an empty batch)
-    all_sampled: bool = attrs.field(eq=False, repr=False)
-    max_slot: int = attrs.field(eq=False, repr=False)
+    # (derived, so not arguments: attrs.evolve passes the four arrays and gets them anew)
+    all_sampled: bool = attrs.field(init=False, eq=False, repr=False)
+    max_slot: int = attrs.field(init=False, eq=False, repr=False)
 
     def __init__(
         self,
@@ -141,15 +144,11 @@ class BatchFacts:
         mask = computed >= prefill - scheduled
         sampling = int(np.count_nonzero(mask))
         sampled = np.frombuffer(mask.tobytes(), dtype=np.bool_) if sampling else None
-        self.__attrs_init__(
-            slots,
-            computed,
-            scheduled,
-            prefill,
-            sampled,
-            sampling == rows and rows > 0,
-            int(ordered[-1]) if rows else -1,
-        )
+        self.__attrs_init__(slots, computed, scheduled, prefill)
+        set_field = object.__setattr__
+        set_field(self, "sampled_mask", sampled)
+        set_field(self, "all_sampled", sampling == rows and rows > 0)
+        set_field(self, "max_slot", int(ordered[-1]) if rows else -1)
 
     @property
     def num_reqs(self) -> int:

@@ -32,7 +32,7 @@ from typing import Any, Protocol, cast
 
 import attrs
 
-from purepp._checks import check_bool, check_int, check_optional_int, store_ints
+from purepp._checks import INT32_MAX, check_bool, check_int, check_optional_int, store_ints
 from purepp._text import a_type
 from purepp.errors import ConfigError, InvalidInputError
 
@@ -196,7 +196,13 @@ def _check_dispatcher(instance: CudaGraphDispatcher) -> None:
         instance,
         max_num_reqs=check_int(call, "max_num_reqs", instance.max_num_reqs, 1, config=True),
         num_speculative_tokens=check_int(
-            call, "num_speculative_tokens", instance.num_speculative_tokens, 0, config=True
+            # 1 + spec is a decode length and a query-length bound: it must fit int32.
+            call,
+            "num_speculative_tokens",
+            instance.num_speculative_tokens,
+            0,
+            INT32_MAX - 1,
+            config=True,
         ),
     )
     varlen = check_bool(call, "varlen_decode", instance.varlen_decode, config=True)

@@ -80,7 +80,7 @@ from purepp._checks import (
 from purepp._text import a_type, with_article
 from purepp._trusted import trusted
 from purepp.cudagraph import BatchExecutionDescriptor, CUDAGraphMode, Dispatcher
-from purepp.effects.arrays import ARRAY_EQ, IntArray, readonly
+from purepp.effects.arrays import ARRAY_EQ, IntArray, readonly, reduce_frozen
 from purepp.effects.vocabulary import (
     AllReduce,
     BufferRef,
@@ -401,6 +401,8 @@ class DPSyncState:
     collective, so never add a per-rank value here.
     """
 
+    __reduce__ = reduce_frozen  # its arrays stay frozen in a copy
+
     num_tokens_across_dp: IntArray = attrs.field(eq=ARRAY_EQ, hash=False)
     # ^ per-rank token counts for the forward context: all the agreed padded count,
     #   unless `eager`, where each rank kept its own; 0 for a dead rank
@@ -560,6 +562,8 @@ _AgreementLanes = trusted(AgreementLanes)
 @attrs.frozen(kw_only=True)
 class PendingAgreement:
     """A started agreement: everything `finish_agreement` needs. Built by `start_agreement`."""
+
+    __reduce__ = reduce_frozen  # its arrays stay frozen in a copy
 
     step: int  # decode step the agreement belongs to
     lane: Lane  # the lane it occupies until finished

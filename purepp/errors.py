@@ -30,6 +30,20 @@ class PureppError(Exception):
         self.fix = fix
         super().__init__(f"{call}: {problem}. Fix: {fix}")
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Rebuilt from its message and attributes, not by calling __init__ again (whose
+        # arguments Exception does not keep): pickling and copying work for every subclass.
+        return (_rebuilt, (type(self), self.args, self.__dict__))
+
+
+def _rebuilt(
+    cls: type[PureppError], args: tuple[object, ...], state: dict[str, object]
+) -> PureppError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
 
 class InvalidInputError(PureppError, ValueError):
     """An argument is out of range, of the wrong dtype or inconsistent with another."""

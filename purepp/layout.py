@@ -65,6 +65,14 @@ class Layout:
     pp: int = attrs.field(validator=_at_least_one)  # pipeline stages per replica
     dp: int = attrs.field(validator=_at_least_one)  # data-parallel replicas
 
+    def __attrs_post_init__(self) -> None:
+        if self.pp * self.dp - 1 > _MAX_SIZE:  # the last global rank must be an int32 too
+            raise ConfigError(
+                "Layout",
+                f"pp={self.pp} x dp={self.dp} ranks are past {_MAX_SIZE + 1}",
+                f"pass a world of at most {_MAX_SIZE + 1} ranks",
+            )
+
     @property
     def world_size(self) -> int:
         return self.pp * self.dp

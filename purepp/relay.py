@@ -51,7 +51,7 @@ from purepp._checks import INT32_MAX, check_bool, check_int, host_array, store_i
 from purepp._text import a_type, with_article
 from purepp._trusted import trusted
 from purepp.batch import BatchFacts
-from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray, frozen
+from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray, frozen, reduce_frozen
 from purepp.effects.keyed import KeyedEffects
 from purepp.effects.vocabulary import (
     Alias,
@@ -383,6 +383,8 @@ def _bucket(buckets: tuple[int, ...], num_reqs: int) -> int:
 class PendingReceive:
     """One posted receive, waiting in the ring to be consumed."""
 
+    __reduce__ = reduce_frozen  # its arrays stay frozen in a copy
+
     step: int  # the step whose sampled tokens these are
     event: EventRef  # recorded on the relay stream after the receives
     sampled_tokens: BufferRef  # [rows, spec + 1] int64
@@ -405,6 +407,8 @@ class PendingReceive:
 @attrs.frozen(kw_only=True)
 class RelayState:
     """The relay's state on one rank. Build it with `init_relay`; steps return new ones."""
+
+    __reduce__ = reduce_frozen  # its arrays stay frozen in a copy
 
     step: int  # current decode step; names every buffer and event deterministically
     ring: tuple[PendingReceive | None, ...]  # oldest first; None = nothing pending that step
@@ -458,6 +462,8 @@ def _described(value: object) -> str:
 @attrs.frozen(kw_only=True)
 class ConsumedOutputs:
     """What `consume_previous_step` hands back; the buffers stay valid until `end_step`."""
+
+    __reduce__ = reduce_frozen  # its arrays stay frozen in a copy
 
     received_at_step: int  # the step that sampled these tokens
     sampled_tokens: BufferRef  # [rows, spec + 1] int64

@@ -44,7 +44,14 @@ from purepp._checks import INT32_MAX, check_instance, check_int
 from purepp._text import a_type
 from purepp.batch import BatchFacts, need_sampled_mask
 from purepp.cudagraph import BatchExecutionDescriptor, CaptureMode, CudaGraphDispatcher
-from purepp.effects.arrays import ARRAY_EQ, IntArray, arrays_equal, int32_array, readonly
+from purepp.effects.arrays import (
+    ARRAY_EQ,
+    IntArray,
+    arrays_equal,
+    int32_array,
+    readonly,
+    reduce_frozen,
+)
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.io import NumpyIO, numpy_spec
 from purepp.effects.log import EffectLog, Layout, LogHeader, Recorder
@@ -214,6 +221,8 @@ class ScheduleConfig:
 @attrs.frozen(kw_only=True)
 class ReplicaStep:
     """One replica's share of one step: what every stage of that replica knows."""
+
+    __reduce__ = reduce_frozen  # its arrays stay frozen in a copy
 
     step: int  # decode step
     replica: int  # DP replica

@@ -23,6 +23,7 @@ __all__ = [
     "int32_array",
     "is_frozen",
     "readonly",
+    "reduce_frozen",
 ]
 
 IntArray = npt.NDArray[np.int32]
@@ -53,6 +54,24 @@ def readonly(values: npt.ArrayLike, dtype: type[np.generic]) -> npt.NDArray[Any]
     if type(values) is np.ndarray and values.dtype == dtype and is_frozen(values):
         return values
     return frozen(np.asarray(values, dtype=dtype))
+
+
+def reduce_frozen(value: Any) -> tuple[Any, ...]:
+    """`__reduce__` for a frozen attrs class that holds immutable arrays.
+
+    numpy does not keep an array read-only across pickle or deepcopy: the copy's
+    arrays are frozen again, field by field, as the original's were.
+    """
+    cls = type(value)
+    return (_refrozen, (cls, tuple(getattr(value, field.name) for field in attrs.fields(cls))))
+
+
+def _refrozen(cls: type[Any], values: tuple[Any, ...]) -> Any:
+    instance = object.__new__(cls)
+    for field, value in zip(attrs.fields(cls), values, strict=True):
+        kept = frozen(value) if isinstance(value, np.ndarray) else value
+        object.__setattr__(instance, field.name, kept)
+    return instance
 
 
 def arrays_equal(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> bool:

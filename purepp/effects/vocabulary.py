@@ -17,7 +17,7 @@ from typing import TypeAlias
 import attrs
 
 from purepp._text import a_type
-from purepp.effects.arrays import ARRAY_EQ, IntArray, int32_array
+from purepp.effects.arrays import ARRAY_EQ, IntArray, int32_array, reduce_frozen
 from purepp.errors import InvalidInputError
 
 __all__ = [
@@ -204,6 +204,8 @@ class Allocate:
 class CopyHostToDevice:
     """Copy a read-only host array to a new device buffer without blocking the host."""
 
+    __reduce__ = reduce_frozen  # its arrays stay frozen in a copy
+
     step: int  # decode step the effect belongs to
     op: Op  # operation that emitted it
     # the host values (read-only int32)
@@ -240,6 +242,8 @@ class CheckHeader:
     and both headers.
     """
 
+    __reduce__ = reduce_frozen  # its arrays stay frozen in a copy
+
     step: int  # decode step the effect belongs to
     op: Op  # operation that emitted it
     buffer: BufferRef  # the received header, a 1-D int32 buffer
@@ -255,6 +259,8 @@ class AllReduce:
     With `work` set the collective is issued asynchronously and a later `WaitWork`
     completes it; otherwise it completes before the next effect.
     """
+
+    __reduce__ = reduce_frozen  # its arrays stay frozen in a copy
 
     step: int  # decode step the effect belongs to
     op: Op  # operation that emitted it
