@@ -228,6 +228,7 @@ def test_every_setting_launch_accepts_reaches_the_ranks_unchanged(
     """Whatever `RunSettings` accepts, the ranks' own options (`worker_argv`, parsed and
     checked as a rank parses them) give back equal settings: nothing is dropped on the
     way (five fields once were), and nothing the launcher took is refused there."""
+    fields["max_num_batched_tokens"] += fields["spec"]  # a decode row fits the budget
     given_settings = RunSettings(
         pp=pp,
         num_layers=pp + extra_layers,

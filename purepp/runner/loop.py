@@ -206,7 +206,10 @@ class RankLoop:
         freed += self.scheduler.abort_due(step + 1, spare={row.slot for row in scheduled.rows})
         agreed = self.driver.settle(begun, freed=freed)
         self.scheduled_ahead = None
-        if step + 1 < self.settings.total_steps:
+        # The last step starts nothing more: the last of the run, or the step after which
+        # the loop stops early (this one runs no row and nothing is left).
+        last = step + 1 >= self.settings.total_steps or (not scheduled.rows and self._all_done())
+        if not last:
             ahead = self._schedule(step + 1)
             agreed = self.driver.start_next(agreed, ahead.batch, _shape(ahead))
             self.scheduled_ahead = ahead

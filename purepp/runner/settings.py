@@ -75,10 +75,20 @@ class RunSettings:
         if self.steps:
             return self.steps
         w = self.workload
+        # A request's next row waits for its last row's outputs: pp steps, one more when
+        # the agreement runs a step ahead. It takes a row per prefill chunk and per token
+        # (every draft rejected, at worst).
+        latency = self.pp + (1 if self.overlap_agreement else 0)
+        budget = self.max_num_batched_tokens
+        chunk = min(self.chunk_size, budget)
+        rounds = -(-w.max_prompt // chunk) + w.max_output
+        # How many requests advance together: the slots, and the rows the budget holds
+        # over one round trip.
+        row = max(chunk, 1 + self.spec)
+        together = max(1, min(self.max_num_reqs, latency * budget // row))
         per_replica = -(-self.requests // self.dp)
-        waves = -(-per_replica // self.max_num_reqs)
-        per_request = (-(-w.max_prompt // self.chunk_size) + w.max_output) * self.pp
-        return w.arrival_span + waves * per_request + 2 * self.pp
+        waves = -(-per_replica // together)
+        return w.arrival_span + waves * rounds * latency + 2 * latency
 
 
 # Each count with its least and most values (`purepp run` checks its options by these).
@@ -111,6 +121,12 @@ def _check(settings: RunSettings) -> None:
         store_ints(
             settings,
             **{field: check_int(call, field, getattr(settings, field), low, high, config=True)},
+        )
+    if settings.max_num_batched_tokens < 1 + settings.spec:
+        raise refuse(
+            "max_num_batched_tokens",
+            f"is below a decode row of 1 + spec={settings.spec} tokens",
+            f"use a budget of {1 + settings.spec} tokens or more (or fewer speculative steps)",
         )
     if settings.pp > settings.num_layers:
         raise refuse(
