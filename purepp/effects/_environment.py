@@ -23,9 +23,10 @@ from __future__ import annotations
 import math
 import typing
 from collections.abc import Callable, Iterable, Sequence
-from typing import Generic, NoReturn, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 import attrs
+import numpy.typing as npt
 
 from purepp._text import a_type, with_article
 from purepp.effects.vocabulary import (
@@ -33,7 +34,9 @@ from purepp.effects.vocabulary import (
     DType,
     Effect,
     EventRef,
+    GatherRows,
     Pack,
+    ScatterRows,
     Section,
     Unpack,
     WorkRef,
@@ -149,6 +152,23 @@ class Environment(Generic[B, E, W]):
                 "(or end_step) returned; else release the old buffer first, or name new "
                 "buffers from the step counter",
             )
+
+    def check_views_unbound(self, effect: Unpack) -> None:
+        """Refuse an Unpack binding a name already bound, or one name in two sections (the
+        second view would silently replace the first)."""
+        sections = effect.sections
+        for section in sections:
+            self.check_unbound(effect, section.buffer)
+        if len(sections) > 1 and len({section.buffer for section in sections}) < len(sections):
+            seen: set[BufferRef] = set()
+            for section in sections:
+                if section.buffer in seen:
+                    self.fail(
+                        effect,
+                        f"buffer {section.buffer.name!r} is bound by two sections of the unpack",
+                        "name each section's buffer once",
+                    )
+                seen.add(section.buffer)
 
     def check_rebindable(self, call: Call, ref: BufferRef) -> None:
         """The caller's `bind` may replace a binding, except a table being all-reduced."""
@@ -348,6 +368,35 @@ class Environment(Generic[B, E, W]):
     def check_gather(self, call: Call, ref: BufferRef, shape: Shape) -> None:
         if not shape:
             self.fail(call, f"source {ref.name!r} is a scalar", "gather from a 1-D+ buffer")
+
+    def check_rows(
+        self, effect: GatherRows | ScatterRows, slots: npt.NDArray[Any], rows: int
+    ) -> None:
+        """Every entry of the index `slots` names a row 0..rows-1 of the gather's source or
+        the scatter's target; a skipping scatter's may also be -1. (A device kernel would
+        fault, or write a row it was not given: callers read host indices only.)"""
+        outside = (slots < 0) | (slots >= rows)
+        skips = isinstance(effect, ScatterRows) and effect.skips
+        if skips:
+            outside &= slots != -1
+        bad = slots[outside]
+        if not bad.size:
+            return
+        if isinstance(effect, GatherRows):
+            self.fail(
+                effect,
+                f"index {effect.index.name!r} holds row {int(bad[0])} of a "
+                f"{rows}-row source {effect.source.name!r}",
+                "gather rows 0..rows-1 only (a device kernel would fault)",
+            )
+        self.fail(
+            effect,
+            f"index {effect.index.name!r} holds row {int(bad[0])} of a "
+            f"{rows}-row target {effect.target.name!r}",
+            "scatter to rows 0..rows-1, or -1 to skip a row"
+            if skips
+            else "scatter to rows 0..rows-1 (this scatter skips no rows: skips=False)",
+        )
 
     def check_scatter(
         self,

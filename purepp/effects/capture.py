@@ -29,10 +29,14 @@ How a replay runs (all on S, with no host sync):
 6. the suffix is performed as eager would (record events on S, after the replay); an
    Unpack of a wire the segment made binds views made once per instance.
 Inputs the segment writes in place (a ScatterRows target, a broadcast's receive
-buffer) or views (an Unpack source) are baked into the graph: a run replays only if
-that input is the very tensor captured. So are inputs only read whose tensor stays
-(the one the plan was lowered with, or another instance's static output, such as the
-drafts a consume scatters): held weakly, so baking never keeps another instance busy.
+buffer), directly or through an Unpack's view of them, are baked into the graph: a run
+replays only if that input is the very tensor captured. So are inputs only read whose
+tensor stays (the one the plan was lowered with, or another instance's static output,
+such as the drafts a consume scatters): held weakly, so baking never keeps another
+instance busy. A copied input read after the graph writes a baked one is a copy taken
+before that write: a run where the two share memory runs as the plan. A name the
+segment binds anew over a slot still in use (an input it read, then released) gets a
+slot of its own; an Alias reads and writes its source's.
 
 Static memory is rewritten on S by a later replay of the same instance, once no name
 holds it: the readers' streams must be ordered before that replay, as the relay's are
@@ -112,7 +116,15 @@ Kernel: TypeAlias = Callable[[Slots], None]
 
 @attrs.frozen
 class _Bind:
-    """After a replay: bind position `out` to the tensor of position `source`."""
+    """After a replay: bind position `out` to the static output in slot `source`."""
+
+    out: int
+    source: int
+
+
+@attrs.frozen
+class _Alias:
+    """After a replay: bind position `out` to what position `source` is bound to."""
 
     out: int
     source: int
@@ -140,21 +152,22 @@ class _View:
     index: int
 
 
-_NameOp: TypeAlias = _Bind | _Drop | _Record | _View
+_NameOp: TypeAlias = _Bind | _Alias | _Drop | _Record | _View
 
 # The name ops as (tag, a, b) int triples, for the replay's loop (`_compiled`).
 _BIND_SLOT, _BIND_NAME, _DROP, _RECORD, _VIEW = range(5)
 _STREAM_CODES = {stream: stream.value for stream in Stream}
 
 
-def _compiled(ops: tuple[_NameOp, ...], made: tuple[int, ...]) -> tuple[tuple[Any, ...], ...]:
+def _compiled(ops: tuple[_NameOp, ...]) -> tuple[tuple[Any, ...], ...]:
     """`ops` as tagged triples: bind out from a slot or from a name, drop, record, view."""
     out: list[tuple[Any, ...]] = []
     for op in ops:
         match op:
             case _Bind():
-                slot = op.source in made or op.source == op.out
-                out.append((_BIND_SLOT if slot else _BIND_NAME, op.out, op.source))
+                out.append((_BIND_SLOT, op.out, op.source))
+            case _Alias():
+                out.append((_BIND_NAME, op.out, op.source))
             case _Drop():
                 out.append((_DROP, op.position, 0))
             case _Record():
@@ -187,13 +200,16 @@ class _Capturable:
     last: int  # index of its last effect
     kernels: list[Kernel]  # the segment's device work over slots, in order
     copied: tuple[int, ...]  # input positions only read: copied into static buffers
+    # copied inputs read after the graph wrote a baked input: a run where one shares
+    # memory with a baked input runs as the plan (the copy would miss that write)
+    late: tuple[int, ...]
     baked: tuple[int, ...]  # input positions written in place or viewed: must be identical
     # inputs only read but baked all the same (see `_steady`); an instance holds them
     # weakly, so baking another graph's output does not hold that graph's instance
     steady: tuple[int, ...]
     # (effect index, position, shape) of each CopyHostToDevice: copied in before the replay
     host: tuple[tuple[int, int, tuple[int, ...]], ...]
-    made: tuple[int, ...]  # positions the segment binds to its own tensors
+    made: tuple[int, ...]  # slots the segment binds to its own tensors (`_Segment.key`)
     name_ops: tuple[_NameOp, ...]  # the segment's changes to names, replayed after the graph
     compiled: tuple[tuple[Any, ...], ...]  # the same as tagged triples (`_compiled`)
     cuda_stream: torch.cuda.Stream | None  # S itself (None on CPU, in tests)
@@ -237,7 +253,12 @@ def replay(
         # The prefix first: it may bind what the segment reads (a CopyHostToDevice).
         for index in range(capturable.first):
             handlers[index](effects[index])
-        instance = _free_instance(interp, capturable, names, copies)
+        late = capturable.late
+        instance = (
+            None
+            if late and _shares_baked(interp.env.buffers, capturable, names)
+            else _free_instance(interp, capturable, names, copies)
+        )
         if instance is None:
             for index in range(capturable.first, len(effects)):
                 handlers[index](effects[index])
@@ -348,6 +369,14 @@ def _rebind(
                 buffers[names[first]].record_stream(interp.cuda_stream(Stream(second)))
         else:  # _VIEW
             plan.handlers[first](effects[first])
+
+
+def _shares_baked(
+    buffers: dict[Any, torch.Tensor], capturable: _Capturable, names: list[Name]
+) -> bool:
+    """Whether a late read input of this run shares memory with a baked input."""
+    baked = {buffers[names[p]].untyped_storage()._cdata for p in capturable.baked}
+    return any(buffers[names[p]].untyped_storage()._cdata in baked for p in capturable.late)
 
 
 def _free_instance(
@@ -521,31 +550,81 @@ _HOST = (AllReduce, WaitWork, CheckHeader, Synchronize)
 
 
 class _Segment:
-    """What the walk over a segment learns: kernels, name changes, inputs and outputs."""
+    """What the walk over a segment learns: kernels, name changes, inputs and outputs.
+
+    Kernels address slots by key: a name's position, or a new negative key when the
+    segment binds the name anew while its position's slot still holds something (an
+    input it read and released, a view, a tensor an Alias names), since a slot holds
+    one tensor. An Alias has no slot: its name's key is its source's. Inputs are keyed
+    by their positions, so staging and baking find them.
+    """
 
     def __init__(self) -> None:
         self.kernels: list[Kernel] = []
         self.name_ops: list[_NameOp] = []
-        self.made: list[int] = []
+        self.made: list[int] = []  # keys of the buffers it makes
         self.reads: set[int] = set()  # inputs only read
-        self.baked: set[int] = set()  # inputs written in place or viewed
+        self.baked: set[int] = set()  # inputs written in place (or through a view)
         self.host: list[tuple[int, int, tuple[int, ...]]] = []
         self.refused = False  # something in it cannot be captured
-        self.views: set[int] = set()  # positions an Unpack in the segment binds
+        self.late: set[int] = set()  # inputs read after an input was written in place
+        self.views: dict[int, int] = {}  # key of each view an Unpack binds -> its source's
+        self.keys: dict[int, int] = {}  # position -> its slot key, where not the position
+        self.shared: set[int] = set()  # keys an Alias binds a second name to
+        self._fresh = 0
 
-    def make(self, position: int) -> None:
+    def key(self, position: int) -> int:
+        """The slot the name at `position` is bound to now."""
+        return self.keys.get(position, position)
+
+    def used(self) -> set[int]:
+        """Every slot that holds something: inputs, outputs, views, aliased tensors."""
+        return self.reads | self.baked | set(self.made) | set(self.views) | self.shared
+
+    def _bind(self, position: int) -> int:
+        """The slot of a new binding of `position`: its own, unless that one is in use."""
+        if position in self.used():
+            self._fresh -= 1
+            self.keys[position] = self._fresh
+            return self._fresh
+        self.keys.pop(position, None)
+        return position
+
+    def release(self, position: int) -> None:
+        self._fresh -= 1
+        self.keys[position] = self._fresh  # an empty slot: the name holds nothing now
+        self.name_ops.append(_Drop(position))
+
+    def make(self, position: int) -> int:
         if position in self.made:
             self.refused = True  # made twice: one static slot cannot hold both
-        self.made.append(position)
-        self.name_ops.append(_Bind(position, position))
+        key = self._bind(position)
+        self.made.append(key)
+        self.name_ops.append(_Bind(position, key))
+        return key
 
-    def read(self, position: int) -> None:
-        if position not in self.made and position not in self.views:
-            self.reads.add(position)
+    def view(self, position: int, source: int) -> int:
+        """The slot of a view of slot `source` bound to `position`."""
+        key = self._bind(position)
+        self.views[key] = self.views.get(source, source)  # a view of a view: the buffer
+        return key
 
-    def write(self, position: int) -> None:
-        if position not in self.made and position not in self.views:
-            self.baked.add(position)
+    def alias(self, out: int, source: int) -> None:
+        key = self.key(source)
+        self.keys[out] = key
+        self.shared.add(key)
+        self.name_ops.append(_Bind(out, key) if key in self.made else _Alias(out, source))
+
+    def read(self, key: int) -> None:
+        if key not in self.made and key not in self.views:
+            self.reads.add(key)
+            if self.baked:
+                self.late.add(key)
+
+    def write(self, key: int) -> None:
+        key = self.views.get(key, key)  # a write through a view writes its buffer
+        if key not in self.made:
+            self.baked.add(key)
 
 
 def _analyse(
@@ -596,40 +675,47 @@ def _analyse(
         if isinstance(effect, RecordStream) and effect.stream is stream
     )
     made = set(segment.made)
-    static_views = {
-        index: (at[effect.source], tuple((at[s.buffer], s) for s in effect.sections))
-        for index, effect in enumerate(effects)
-        if index > last and isinstance(effect, Unpack) and at[effect.source] in made
-    }
+    # After the segment: views of a made wire, made once per instance in slots of their
+    # positions (not where a slot of the segment is: the eager handler binds those), and
+    # RecordStreams of static memory, skipped; both only while the name still holds what
+    # the segment bound (a name released there may be bound anew).
+    static_views: dict[int, tuple[int, tuple[tuple[int, Section], ...]]] = {}
+    viewed: set[int] = set()
+    skipped: set[int] = set()
+    used = segment.used()
+    released: set[Name] = set()
+    for index in range(last + 1, len(effects)):
+        effect = effects[index]
+        if isinstance(effect, Release):
+            released.add(effect.buffer)
+        elif isinstance(effect, Unpack) and effect.source not in released:
+            p = segment.key(at[effect.source])
+            sections = tuple((at[s.buffer], s) for s in effect.sections)
+            if p in made and not any(q in used for q, _ in sections):
+                static_views[index] = (p, sections)
+                used.update(q for q, _ in sections)
+                viewed.update(q for q, _ in sections)
+        elif isinstance(effect, RecordStream) and effect.buffer not in released:
+            p = at[effect.buffer]
+            if p in viewed or segment.key(p) in made:
+                skipped.add(index)
     return _Capturable(
         stream=stream,
         first=first,
         last=last,
         kernels=segment.kernels,
         copied=tuple(sorted(segment.reads - baked - steady)),
+        late=tuple(sorted(segment.late - baked - steady)),
         baked=tuple(sorted(baked)),
         steady=tuple(sorted(steady)),
         host=tuple(segment.host),
         made=tuple(segment.made),
         name_ops=tuple(segment.name_ops),
-        compiled=_compiled(tuple(segment.name_ops), tuple(segment.made)),
+        compiled=_compiled(tuple(segment.name_ops)),
         cuda_stream=interp.cuda_stream(stream) if interp.device.type == "cuda" else None,
         recorded=recorded,
         static_views=static_views,
-        skipped=frozenset(
-            index
-            for index, effect in enumerate(effects)
-            if index > last
-            and isinstance(effect, RecordStream)
-            and (
-                at[effect.buffer] in made
-                or any(
-                    at[effect.buffer] == q
-                    for _, sections in static_views.values()
-                    for q, _ in sections
-                )
-            )
-        ),
+        skipped=frozenset(skipped),
         plan=plan,
     )
 
@@ -648,7 +734,9 @@ def _lower(
         case Unpack():
             # Views while capturing, for the kernels after it; at replay the eager handler
             # binds views of whatever the source is bound to (no device work either way).
-            p, views = at[effect.source], [(at[s.buffer], s) for s in effect.sections]
+            p = segment.key(at[effect.source])
+            segment.read(p)
+            views = [(segment.view(at[s.buffer], p), s) for s in effect.sections]
 
             def unpack(slots: Slots) -> None:
                 for q, section in views:
@@ -656,20 +744,18 @@ def _lower(
 
             segment.kernels.append(unpack)
             segment.name_ops.append(_View(index))
-            segment.views.update(q for q, _ in views)
-            segment.read(p)
             return None
         case PadColumns() | StackRows() | GatherRows() | ScatterRows():
             return _lower_rows(effect, at, segment)
         case Release():
-            segment.name_ops.append(_Drop(at[effect.buffer]))
+            segment.release(at[effect.buffer])
             return None
         case Alias():
-            segment.name_ops.append(_Bind(at[effect.out], at[effect.source]))
+            segment.alias(at[effect.out], at[effect.source])
             return None
         case RecordStream():
             p = at[effect.buffer]
-            if p not in segment.made:  # static outputs need no record
+            if segment.key(p) not in segment.made:  # static outputs need no record
                 segment.name_ops.append(_Record(p, effect.stream))
             return None
         case (
@@ -699,22 +785,21 @@ def _lower_wire(
     device = interp.device
     match effect:
         case Allocate():
-            p, shape, dtype = at[effect.buffer], effect.shape, torch_dtype(effect.dtype)
+            p = segment.make(at[effect.buffer])
+            shape, dtype = effect.shape, torch_dtype(effect.dtype)
 
             def allocate(slots: Slots) -> None:
                 slots[p] = torch.empty(shape, dtype=dtype, device=device)
 
             kernels.append(allocate)
-            segment.make(p)
             return effect.stream
         case CopyHostToDevice():
             # Its static buffer is made with the instance and filled before each replay.
-            p = at[effect.buffer]
+            p = segment.make(at[effect.buffer])
             segment.host.append((index, p, effect.source.shape))
-            segment.make(p)
             return effect.stream
         case Broadcast():
-            p = at[effect.buffer]
+            p = segment.key(at[effect.buffer])
             group = interp.group(effect, effect.comm)
             if dist.get_backend(group) != "nccl":
                 segment.refused = True  # only NCCL collectives can be captured
@@ -732,10 +817,10 @@ def _lower_wire(
             kernels.append(broadcast)
             return effect.stream
         case Pack():
-            sections = [(at[s.buffer], s) for s in effect.sections]
-            q, words = at[effect.out], effect.nbytes // 8
+            sections = [(segment.key(at[s.buffer]), s) for s in effect.sections]
             for p, _ in sections:
                 segment.read(p)
+            q, words = segment.make(at[effect.out]), effect.nbytes // 8
 
             def pack_sections(slots: Slots) -> None:
                 out = torch.zeros(words, dtype=torch.int64, device=device)
@@ -743,7 +828,6 @@ def _lower_wire(
                 slots[q] = out
 
             kernels.append(pack_sections)
-            segment.make(q)
             return effect.stream
         case _:
             typing.assert_never(effect)
@@ -758,40 +842,41 @@ def _lower_rows(
     kernels = segment.kernels
     match effect:
         case PadColumns():
-            p, q, width, fill = at[effect.source], at[effect.out], effect.width, effect.fill
+            p, width, fill = segment.key(at[effect.source]), effect.width, effect.fill
             segment.read(p)
+            q = segment.make(at[effect.out])
 
             def pad(slots: Slots) -> None:
                 source = slots[p]
                 slots[q] = F.pad(source, (0, width - source.shape[1]), value=fill)
 
             kernels.append(pad)
-            segment.make(q)
             return effect.stream
         case StackRows():
-            ps, q = [at[ref] for ref in effect.sources], at[effect.out]
+            ps = [segment.key(at[ref]) for ref in effect.sources]
             for p in ps:
                 segment.read(p)
+            q = segment.make(at[effect.out])
 
             def stack(slots: Slots) -> None:
                 slots[q] = torch.stack([slots[p] for p in ps], dim=0)
 
             kernels.append(stack)
-            segment.make(q)
             return effect.stream
         case GatherRows():
-            p, i, q = at[effect.source], at[effect.index], at[effect.out]
+            p, i = segment.key(at[effect.source]), segment.key(at[effect.index])
             segment.read(p)
             segment.read(i)
+            q = segment.make(at[effect.out])
 
             def gather(slots: Slots) -> None:
                 slots[q] = torch.index_select(slots[p], 0, slots[i])
 
             kernels.append(gather)
-            segment.make(q)
             return effect.stream
         case ScatterRows():
-            p, i, t = at[effect.source], at[effect.index], at[effect.target]
+            key = segment.key
+            p, i, t = key(at[effect.source]), key(at[effect.index]), key(at[effect.target])
             segment.read(p)
             segment.read(i)
             segment.write(t)

@@ -13,7 +13,9 @@ docstrings), with streams modelled explicitly so that ordering bugs show up:
 - References are resolved and output buffers bound when an effect is issued, as
   torch returns a tensor object at once; their contents are written when the
   effect runs. Fresh buffers (Allocate and every kernel output) start out filled
-  with `POISON`, so reading data that was never written is visible.
+  with `POISON`, so reading data that was never written is visible. A kernel that
+  fails when it runs (a row outside its buffer, a header mismatch) is a device
+  fault, not a refusal: its outputs stay bound and it stays at its stream's head.
 - Collectives go to a `CollectivePort`. Alone (the default port), only a
   one-member world is possible: a broadcast from this rank and an all-reduce of
   this rank's one-column table complete at once, and any other collective is refused.
@@ -687,9 +689,9 @@ class NumpyInterpreter:
         if effect.work is not None:
             self._env.check_work_free(effect, effect.work)
         table = _Buffer(np.array(effect.contribution, dtype=np.int32, copy=True), Stream.MAIN)
-        self._set(effect.result, table, step=effect.step, op=effect.op)
         posted = PostedCollective(self._rank, effect, table.array)
-        self._port.post(posted)
+        self._port.post(posted)  # may refuse it: bind the result only after
+        self._set(effect.result, table, step=effect.step, op=effect.op)
         if effect.work is None:
             # Synchronous on the CPU group: the host waits for it.
             self._queue(Stream.MAIN, _CollectiveStep(effect, posted, ()))
@@ -753,15 +755,7 @@ class NumpyInterpreter:
         self._set(effect.out, out, step=effect.step, op=effect.op)
 
         def run() -> None:
-            rows = source.array.shape[0]
-            bad = index.array[(index.array < 0) | (index.array >= rows)]
-            if bad.size:
-                self._env.fail(
-                    effect,
-                    f"index {effect.index.name!r} holds row {int(bad[0])} of a "
-                    f"{rows}-row source {effect.source.name!r}",
-                    "gather rows 0..rows-1 only (a device kernel would fault)",
-                )
+            self._env.check_rows(effect, index.array, source.array.shape[0])
             out.array[...] = source.array[index.array]
 
         self._queue(effect.stream, _Kernel(effect, run, (source, index, out)))
@@ -781,19 +775,8 @@ class NumpyInterpreter:
         )
 
         def run() -> None:
-            rows = target.array.shape[0]
             slots = index.array
-            skip = effect.skips
-            bad = slots[((slots != -1) | (not skip)) & ((slots < 0) | (slots >= rows))]
-            if bad.size:
-                self._env.fail(
-                    effect,
-                    f"index {effect.index.name!r} holds row {int(bad[0])} of a "
-                    f"{rows}-row target {effect.target.name!r}",
-                    "scatter to rows 0..rows-1, or -1 to skip a row"
-                    if skip
-                    else "scatter to rows 0..rows-1 (this scatter skips no rows: skips=False)",
-                )
+            self._env.check_rows(effect, slots, target.array.shape[0])
             keep = slots != -1
             target.array[slots[keep]] = source.array[keep]
 
@@ -821,8 +804,7 @@ class NumpyInterpreter:
         source = self._env.lookup(effect, effect.source)
         array = source.array
         self._env.check_unpack(effect, array.nbytes, array.flags.c_contiguous)
-        for section in effect.sections:
-            self._env.check_unbound(effect, section.buffer)
+        self._env.check_views_unbound(effect)
         # Views queue no work: each reads whatever the source holds when it is used.
         for section in effect.sections:
             view = _Buffer(section_view(array, section), source.memory.home, base=source)

@@ -428,7 +428,8 @@ class TorchInterpreter:
       checked, since NCCL would hang on a wrong one.
     - `checked=True` also validates every effect's layouts before it changes anything:
       shapes and dtypes of the row moves, pack and unpack sections, contiguity, the
-      broadcast's source rank, the header's layout.
+      broadcast's source rank, the header's layout; and a host index's rows (a device
+      index is not read: that would sync).
     `plans=True` lowers each batch structure it meets a second time into a plan (see
     purepp.effects.plan); `capture=True` (CUDA) also captures plans into CUDA graphs.
     """
@@ -682,8 +683,12 @@ class TorchInterpreter:
             raise
 
     def handler(self, effect: Effect) -> Callable[[Any], None]:
-        """The fast handler of `effect`'s kind (plans call it without validation)."""
-        return self._handlers[type(effect)]
+        """The fast handler of `effect`'s kind (plans call it without validation); in
+        checked mode a row move's also checks its index's rows (a plan's guard cannot)."""
+        kind = type(effect)
+        if self._checked and (kind is GatherRows or kind is ScatterRows):
+            return self._checked_rows
+        return self._handlers[kind]
 
     def run_handlers(
         self, handlers: Sequence[Callable[[Any], None]], effects: Sequence[Effect]
@@ -741,6 +746,7 @@ class TorchInterpreter:
                 source = lookup(effect, effect.source)
                 self._check_index(effect, effect.index)
                 env.check_gather(effect, effect.source, _shape(source))
+                self._check_rows(effect)
             case ScatterRows():
                 source = lookup(effect, effect.source)
                 index = self._check_index(effect, effect.index)
@@ -753,6 +759,7 @@ class TorchInterpreter:
                     index=_shape(index),
                     target=_layout(target),
                 )
+                self._check_rows(effect)
             case Pack():
                 sources = [_layout(lookup(effect, s.buffer)) for s in effect.sections]
                 wanted = [_TORCH_DTYPES[s.dtype] for s in effect.sections]
@@ -778,6 +785,25 @@ class TorchInterpreter:
                 pass  # nothing past the names, which every mode checks
             case _:  # perform_eager checked the batch whole (effect_batch) before this
                 typing.assert_never(effect)
+
+    def _check_rows(self, effect: GatherRows | ScatterRows) -> None:
+        """The index's rows are in range, where reading it costs no device sync (a host
+        index). A device index is not read: a steady step never syncs the host, so there
+        an index outside the rows faults the gather, and a skipping scatter writes its
+        -2 to the last row and its `rows` to the dropped spare row, silently."""
+        env = self.env
+        index = env.lookup(effect, effect.index)
+        if index.device.type != "cpu":
+            return
+        rows = env.lookup(
+            effect, effect.source if isinstance(effect, GatherRows) else effect.target
+        )
+        env.check_rows(effect, index.numpy(), rows.shape[0])
+
+    def _checked_rows(self, effect: GatherRows | ScatterRows) -> None:
+        """A checked plan's handler of a row move: the rows checked, then the fast handler."""
+        self._check_rows(effect)
+        self._handlers[type(effect)](effect)
 
     def _check_index(self, effect: Effect, ref: BufferRef) -> torch.Tensor:
         index = self.env.lookup(effect, ref)
@@ -1044,8 +1070,7 @@ class TorchInterpreter:
     def _unpack(self, effect: Unpack) -> None:
         env = self.env
         source = env.lookup(effect, effect.source)
-        for section in effect.sections:
-            env.check_unbound(effect, section.buffer)
+        env.check_views_unbound(effect)
         views = section_views(source, effect.sections)
         for section, view in zip(effect.sections, views, strict=True):
             env.buffers[section.buffer] = view
@@ -1064,14 +1089,27 @@ def scatter_rows(
     time against 50-56 on the H200 host; benchmarks/relay_floor.py times both). Skipped
     rows may collide in the spare row, which is dropped; kept rows name distinct slots
     (the relay maps each slot to one row), so the result is exact, and the index never
-    reaches the host.
+    reaches the host. So nothing checks it here: -2 writes the table's last row and
+    `rows` the spare row (checked mode refuses both for a host index).
     """
     if not skips:
-        target.index_put_((index,), source)
+        try:
+            target.index_put_((index,), source)
+        except RuntimeError:
+            # torch refuses a source or index sharing the target's memory (a scatter of a
+            # buffer into itself) before it writes: read them whole first, as numpy does.
+            # Only on this error path, so the common scatter costs nothing more.
+            if not (_shares_memory(source, target) or _shares_memory(index, target)):
+                raise
+            target.index_put_((index.clone(),), source.clone())
         return
     spare = torch.cat((target, target[:1]))
     spare.index_put_((index,), source)
     target.copy_(spare[:-1])
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata  # one StorageImpl
 
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:
