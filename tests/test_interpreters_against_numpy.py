@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import unittest.mock
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypedDict
 
@@ -26,7 +25,6 @@ from hypothesis import strategies as st
 
 from benchmarks.one_rank import one_rank_world
 from purepp.effects import capture
-from purepp.effects.capture import Kernel, Slots
 from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.effects.vocabulary import (
@@ -61,6 +59,7 @@ from purepp.effects.vocabulary import (
 )
 from purepp.errors import InterpreterError, PureppError
 from tests import _interpreter_programs as programs
+from tests.test_plan_capture import emulated_record
 
 CPU = torch.device("cpu")
 
@@ -442,34 +441,9 @@ def test_a_plain_scatter_of_a_buffer_into_itself_gives_the_references_outcome() 
 # ---- capture, with the CUDA graph emulated on CPU (as tests/test_plan_capture.py does) ----
 
 
-def _emulated_record(kernels: list[Kernel], slots: Slots) -> Callable[[], None]:
-    """What a CUDA graph does, on CPU (tests/test_plan_capture.py's emulation): capturing
-    makes the static outputs over zeroed stand-ins, and a replay reruns the kernels over
-    the inputs and writes into those outputs."""
-    inputs = {position: weakref.ref(tensor) for position, tensor in slots.items()}
-    scratch = {position: torch.zeros_like(tensor) for position, tensor in slots.items()}
-    for kernel in kernels:
-        kernel(scratch)
-    outputs = {p: tensor for p, tensor in scratch.items() if p not in inputs}
-    slots.update(outputs)
-
-    def launch() -> None:
-        replayed: Slots = {}
-        for position, ref in inputs.items():
-            tensor = ref()
-            assert tensor is not None, "a replay read an input whose tensor is gone"
-            replayed[position] = tensor
-        for kernel in kernels:
-            kernel(replayed)
-        for position, tensor in outputs.items():
-            tensor.copy_(replayed[position])
-
-    return launch
-
-
 def _capturing(monkeypatch: pytest.MonkeyPatch) -> TorchInterpreter:
     """A CPU interpreter whose plans capture (the graph emulated), in 3 instances."""
-    monkeypatch.setattr(capture, "_record", _emulated_record)
+    monkeypatch.setattr(capture, "_record", emulated_record)
     made = TorchInterpreter(device=CPU, groups={}, rank=0, plans=True)
     planner = made.planner
     assert planner is not None

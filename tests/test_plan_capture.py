@@ -158,7 +158,7 @@ def test_capture_needs_cuda() -> None:
 # ---- replays on CPU: the graph emulated, everything around it real ------------------------
 
 
-def _emulated_record(kernels: list[Kernel], slots: Slots) -> Callable[[], None]:
+def emulated_record(kernels: list[Kernel], slots: Slots) -> Callable[[], None]:
     """What a CUDA graph does, on CPU: capturing makes the static outputs without
     touching the inputs (over zeroed stand-ins), and a replay reruns the kernels over
     the inputs and writes into those outputs. Like a graph, it holds no reference to
@@ -230,7 +230,7 @@ def test_replays_match_eager_and_never_overwrite_a_held_receive(
     """Receives are held for the ring's depth (2) and a step more: with 3 instances every
     steady batch replays; with 2, a receive whose instances are both held runs as its
     plan instead (fresh memory), never into a held instance."""
-    monkeypatch.setattr(capture, "_record", _emulated_record)
+    monkeypatch.setattr(capture, "_record", emulated_record)
     monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")  # gloo stands in
     eager = TorchInterpreter(device=CPU, groups=gloo, rank=0)
     captured = TorchInterpreter(device=CPU, groups=gloo, rank=0, plans=True)
@@ -272,7 +272,7 @@ def test_a_replayed_program_leaves_every_buffer_as_eager_does(
     """After every batch, replays and eager have bound the same names to the same values:
     with a host array staged into a graph (the consume's index, copied in before each
     replay) and inputs of one dtype copied in together (the send's two int32 counts)."""
-    monkeypatch.setattr(capture, "_record", _emulated_record)
+    monkeypatch.setattr(capture, "_record", emulated_record)
     monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")  # gloo stands in
 
     def run(interp: TorchInterpreter) -> list[dict[str, object]]:
@@ -311,7 +311,7 @@ def test_a_replayed_program_leaves_every_buffer_as_eager_does(
 
 def capturing(monkeypatch: pytest.MonkeyPatch) -> TorchInterpreter:
     """A CPU interpreter whose plans capture, with the graph emulated, in 3 instances."""
-    monkeypatch.setattr(capture, "_record", _emulated_record)
+    monkeypatch.setattr(capture, "_record", emulated_record)
     made = TorchInterpreter(device=CPU, groups={}, rank=0, plans=True)
     planner = made.planner
     assert planner is not None
