@@ -51,7 +51,7 @@ from purepp._checks import INT32_MAX, check_bool, check_int, host_array, store_i
 from purepp._text import a_type, with_article
 from purepp._trusted import trusted
 from purepp.batch import BatchFacts
-from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray, frozen, reduce_frozen
+from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray, frozen, is_frozen, reduce_frozen
 from purepp.effects.keyed import KeyedEffects
 from purepp.effects.vocabulary import (
     Alias,
@@ -403,6 +403,9 @@ class PendingReceive:
     generations_at_receive: IntArray = attrs.field(eq=ARRAY_EQ)
     rows: int  # wire rows: the batch's, or its bucket on the fixed wire
 
+    def __attrs_post_init__(self) -> None:
+        _freeze_arrays(self, "idx_mapping_np", "need_sampled", "generations_at_receive")
+
 
 @attrs.frozen(kw_only=True)
 class RelayState:
@@ -438,6 +441,7 @@ def _check_state_fields(state: RelayState) -> None:
             f"generations is {_described(generations)}",
             "pass a 1-D int32 numpy array of per-slot generations (init_relay's, or a step's)",
         )
+    _freeze_arrays(state, "generations")  # a read-only view of writable memory can thaw
     ring, to_release = state.ring, state.to_release
     if type(ring) is not tuple or not all(
         entry is None or type(entry) is PendingReceive for entry in ring
@@ -447,10 +451,30 @@ def _check_state_fields(state: RelayState) -> None:
             f"ring={ring!r} holds something other than PendingReceive and None",
             "pass the ring of a state the relay's steps returned",
         )
+    slots = generations.shape[0]
+    for entry in ring:
+        if entry is not None and entry.idx_mapping_np.size:
+            mapping = entry.idx_mapping_np
+            if int(mapping.min()) < 0 or int(mapping.max()) >= slots:
+                raise InvalidInputError(
+                    call,
+                    f"the ring entry of step {entry.step} maps rows to slots "
+                    f"{mapping.tolist()[:8]} of a {slots}-slot generations table",
+                    "pass ring entries of a state of this relay (the steps' own)",
+                )
     if type(to_release) is not tuple or not all(type(ref) is BufferRef for ref in to_release):
         raise InvalidInputError(
             call, f"to_release={to_release!r}", "pass a tuple of BufferRef (a step's own)"
         )
+
+
+def _freeze_arrays(instance: object, *names: str) -> None:
+    """A value built by hand holds frozen copies of the caller's arrays (the steps build
+    theirs frozen, with trusted constructors that skip this)."""
+    for name in names:
+        value = getattr(instance, name)
+        if isinstance(value, np.ndarray) and not is_frozen(value):
+            object.__setattr__(instance, name, frozen(value))
 
 
 def _described(value: object) -> str:
@@ -471,6 +495,9 @@ class ConsumedOutputs:
     num_rejected: BufferRef  # [rows] int32
     idx_mapping: BufferRef  # [rows] int32 slot per row, -1 for rows to skip
     idx_mapping_np: IntArray = attrs.field(eq=ARRAY_EQ)  # the same on the host
+
+    def __attrs_post_init__(self) -> None:
+        _freeze_arrays(self, "idx_mapping_np")
 
 
 _PendingReceive = trusted(PendingReceive)
@@ -526,14 +553,9 @@ def check_state(call: str, config: RelayConfig, state: object) -> RelayState:
             call, f"state is {a_type(state)}", "pass the RelayState returned by init_relay"
         )
     depth = 0 if config.is_last_stage else config.ring_depth
+    # A RelayState holds a frozen 1-D int32 table (checked and frozen when built by
+    # hand): consume trusts an unchanged table object to mean no slot was freed.
     generations = state.generations
-    if type(generations) is not np.ndarray or generations.flags.writeable:
-        # Consume trusts an unchanged table object to mean no slot was freed.
-        raise InvalidInputError(
-            call,
-            f"state.generations is a writable {type(generations).__name__}",
-            "build states with init_relay and the relay's steps; never edit one in place",
-        )
     if generations.shape[0] != config.max_num_reqs or len(state.ring) != depth:
         raise InvalidInputError(
             call,

@@ -1127,10 +1127,13 @@ def test_a_request_ending_exactly_at_max_tokens_has_its_last_token_relayed(
     assert applied == list(range(max_tokens))
 
 
-def test_a_state_with_a_writable_generations_table_is_refused() -> None:
+def test_a_state_built_with_a_writable_generations_table_holds_a_frozen_copy() -> None:
     # Consume reads an unchanged table object as "no slot freed", so a table that can be
     # edited in place (instead of freed through free_request_slots) must not get in.
     config = cfg(pp_size=2, max_num_reqs=4)
-    state = attrs.evolve(init_relay(config), generations=np.zeros(4, dtype=np.int32))
-    with pytest.raises(InvalidInputError, match=r"state\.generations is a writable ndarray"):
-        consume_previous_step(config, state)
+    table = np.zeros(4, dtype=np.int32)
+    state = attrs.evolve(init_relay(config), generations=table)
+    assert is_frozen(state.generations)
+    table[0] = 7  # the caller's array, not the state's
+    assert state.generations.tolist() == [0, 0, 0, 0]
+    assert consume_previous_step(config, state).state.generations is state.generations
