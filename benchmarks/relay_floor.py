@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks.one_rank import one_rank_world
-from purepp.effects.torch_interpreter import scatter_rows, section_view
+from purepp.effects.torch_kernels import scatter_rows, section_view
 from purepp.effects.vocabulary import BufferRef, Communicator, DType, Section
 
 

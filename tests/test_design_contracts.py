@@ -1,6 +1,7 @@
 """DESIGN.md's numbered contracts and layering rule, each stated once as a test.
 
-Tests marked xfail(strict=True) state a contract purepp breaks today; each reason says how.
+The layering rule held but for one pair (plan and capture imported each other); the
+device kernels they share now live below both, in purepp.effects.torch_kernels.
 """
 
 from __future__ import annotations
@@ -77,15 +78,6 @@ def _import_graph() -> dict[str, set[str]]:
     return graph
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "BUG: purepp.effects.plan imports purepp.effects.capture inside Planner._run while "
-        "capture imports plan at module level (DESIGN.md, Layers: no two modules import "
-        "each other)"
-    ),
-)
 def test_no_two_purepp_modules_import_each_other_at_run_time() -> None:
     """Layers: "No two modules import each other", deferred (in-function) imports included."""
     graph = _import_graph()

@@ -29,6 +29,8 @@ from purepp.effects.torch_interpreter import (
     TorchInterpreter,
     build_communicators,
     init_distributed,
+)
+from purepp.effects.torch_kernels import (
     section_view,
     section_views,
     torch_dtype,

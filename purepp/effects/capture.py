@@ -77,7 +77,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from purepp.effects.plan import Name, Plan
-from purepp.effects.torch_interpreter import pack, scatter_rows, section_view, torch_dtype
+from purepp.effects.torch_kernels import pack, scatter_rows, section_view, torch_dtype
 from purepp.effects.vocabulary import (
     Alias,
     Allocate,

@@ -44,7 +44,7 @@ from __future__ import annotations
 import typing
 import weakref
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import torch
 
@@ -437,6 +437,22 @@ class _Family:
         self.plans: list[Plan] = []
 
 
+class Replay(Protocol):
+    """How a captured plan is performed (`purepp.effects.capture.replay`, handed down by
+    the interpreter so that this module needs no import of capture, which builds on it):
+    True when a graph replayed, False when it ran as the plan, None when not captured."""
+
+    def __call__(
+        self,
+        interp: TorchInterpreter,
+        plan: Plan,
+        effects: tuple[Effect, ...],
+        names: list[Name],
+        *,
+        copies: int,
+    ) -> bool | None: ...
+
+
 class Planner:
     """The plan cache of one `TorchInterpreter`: structure -> plans, one per input layout.
 
@@ -447,12 +463,15 @@ class Planner:
     the bindings first (`Plan.admits`), since they skip validation or rely on layouts.
     """
 
-    def __init__(self, interp: TorchInterpreter, *, capture: bool, copies: int) -> None:
+    def __init__(
+        self, interp: TorchInterpreter, *, capture: bool, copies: int, replay: Replay
+    ) -> None:
         self._interp = interp
         self._plans: dict[Structure, _Family] = {}
         self._keyed: dict[Hashable, _Family] = {}
         self._capture = capture
         self._copies = copies
+        self._replay = replay  # purepp.effects.capture.replay, handed down by the interpreter
         self._guarded = capture or interp.checked  # plans that need their guards
         # Static outputs of every captured graph instance, by id (purepp.effects.capture).
         self.static_outputs: dict[int, weakref.ref[torch.Tensor]] = {}
@@ -525,9 +544,7 @@ class Planner:
     def _run(self, plan: Plan, effects: tuple[Effect, ...], names: list[Name]) -> None:
         interp = self._interp
         if self._capture and not plan.uncapturable:
-            from purepp.effects.capture import replay  # CUDA only
-
-            replayed = replay(interp, plan, effects, names, copies=self._copies)
+            replayed = self._replay(interp, plan, effects, names, copies=self._copies)
             if replayed is not None:  # performed, by a replay or (instances held) the plan
                 if replayed:
                     self.replayed += 1

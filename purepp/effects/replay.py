@@ -553,7 +553,7 @@ class PlaceholderInputs:
             else:
                 import torch
 
-                from purepp.effects.torch_interpreter import torch_dtype
+                from purepp.effects.torch_kernels import torch_dtype
 
                 dtype = torch_dtype(spec.dtype)
                 target.bind(name, torch.zeros(spec.shape, dtype=dtype, device=target.device))
