@@ -10,8 +10,6 @@ leaving eager's environment.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -20,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks.one_rank import one_rank_world
 from purepp.effects import plan
 from purepp.effects.keyed import KeyedEffects
 from purepp.effects.numpy_interpreter import NumpyInterpreter
@@ -49,16 +46,6 @@ STEPS = 16
 MODES = ("fast", "checked", "plans", "checked-plans")
 
 Snapshot = tuple[frozenset[BufferRef | EventRef | WorkRef], dict[str, list[Any]]]
-
-
-@pytest.fixture(scope="module")
-def groups() -> Iterator[dict[Communicator, dist.ProcessGroup]]:
-    """A single-rank gloo world with every communicator, for the whole module."""
-    if dist.is_initialized():
-        pytest.fail("another test left a default process group initialised")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    with one_rank_world("cpu") as (_, groups):
-        yield groups
 
 
 def torch_interp(groups: dict[Communicator, dist.ProcessGroup], mode: str) -> TorchInterpreter:

@@ -10,9 +10,8 @@ bugs the review found, each fixed.
 
 from __future__ import annotations
 
-import os
 import unittest.mock
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypedDict
 
 import numpy as np
@@ -23,7 +22,6 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.one_rank import one_rank_world
 from purepp.effects import capture
 from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.torch_interpreter import TorchInterpreter
@@ -70,16 +68,6 @@ class Tag(TypedDict):
 
 
 TAG = Tag(step=1, op=Op.CONSUME)
-
-
-@pytest.fixture(scope="module")
-def groups() -> Iterator[dict[Communicator, dist.ProcessGroup]]:
-    """A single-rank gloo world with every communicator, for the whole module."""
-    if dist.is_initialized():
-        pytest.fail("another test left a default process group initialised")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    with one_rank_world("cpu") as (_, made):
-        yield made
 
 
 # ---- random one-rank programs ---------------------------------------------------------

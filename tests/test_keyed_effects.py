@@ -9,7 +9,6 @@ on a one-rank gloo world exactly as eager does.
 
 from __future__ import annotations
 
-import os
 import pickle
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
@@ -22,7 +21,6 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.one_rank import one_rank_world
 from purepp.batch import BatchFacts
 from purepp.effects.keyed import KeyedEffects
 from purepp.effects.plan import Structure, abstract, name_reader
@@ -177,15 +175,6 @@ def test_a_keyed_batch_is_a_tuple_and_any_edit_unkeys_it() -> None:
 
 
 # ---- keyed plans run exactly as eager on a one-rank gloo world ---------------------------
-
-
-@pytest.fixture(scope="module")
-def groups() -> Iterator[dict[Communicator, dist.ProcessGroup]]:
-    if dist.is_initialized():
-        pytest.fail("another test left a default process group initialised")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    with one_rank_world("cpu") as (_, groups):
-        yield groups
 
 
 def _bound_values(interp: TorchInterpreter) -> dict[str, list[object]]:

@@ -6,16 +6,14 @@ tests/test_interpreter_cuda.py, on a GPU.)
 
 from __future__ import annotations
 
-import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks.one_rank import one_rank_world
 from purepp.effects import capture
 from purepp.effects.capture import Kernel, Slots, _analyse, _Bind
 from purepp.effects.plan import Plan, abstract, layout, roles
@@ -184,20 +182,11 @@ def emulated_record(kernels: list[Kernel], slots: Slots) -> Callable[[], None]:
     return launch
 
 
-@pytest.fixture(scope="module")
-def gloo() -> Iterator[dict[Communicator, dist.ProcessGroup]]:
-    if dist.is_initialized():
-        pytest.fail("another test left a default process group initialised")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    with one_rank_world("cpu") as (_, groups):
-        yield groups
-
-
 def test_only_nccl_broadcasts_are_captured(
-    gloo: dict[Communicator, dist.ProcessGroup], monkeypatch: pytest.MonkeyPatch
+    groups: dict[Communicator, dist.ProcessGroup], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A CUDA graph cannot hold a gloo collective: such a plan runs as a plan, uncaptured.
-    interp = TorchInterpreter(device=CPU, groups=gloo, rank=0)
+    interp = TorchInterpreter(device=CPU, groups=groups, rank=0)
     tag = programs.Tag(step=5, op=Op.RECEIVE)
     wire = BufferRef("wire")
     batch = (
@@ -221,7 +210,7 @@ def test_only_nccl_broadcasts_are_captured(
 @pytest.mark.parametrize("wire", list(Wire), ids=[w.value for w in Wire])
 @pytest.mark.parametrize("spec", [0, 2])
 def test_replays_match_eager_and_never_overwrite_a_held_receive(
-    gloo: dict[Communicator, dist.ProcessGroup],
+    groups: dict[Communicator, dist.ProcessGroup],
     monkeypatch: pytest.MonkeyPatch,
     wire: Wire,
     spec: int,
@@ -232,8 +221,8 @@ def test_replays_match_eager_and_never_overwrite_a_held_receive(
     plan instead (fresh memory), never into a held instance."""
     monkeypatch.setattr(capture, "_record", emulated_record)
     monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")  # gloo stands in
-    eager = TorchInterpreter(device=CPU, groups=gloo, rank=0)
-    captured = TorchInterpreter(device=CPU, groups=gloo, rank=0, plans=True)
+    eager = TorchInterpreter(device=CPU, groups=groups, rank=0)
+    captured = TorchInterpreter(device=CPU, groups=groups, rank=0, plans=True)
     planner = captured.planner
     assert planner is not None
     # What capture=True sets up, which the constructor allows on CUDA only.
@@ -267,7 +256,7 @@ def test_replays_match_eager_and_never_overwrite_a_held_receive(
 
 
 def test_a_replayed_program_leaves_every_buffer_as_eager_does(
-    gloo: dict[Communicator, dist.ProcessGroup], monkeypatch: pytest.MonkeyPatch
+    groups: dict[Communicator, dist.ProcessGroup], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After every batch, replays and eager have bound the same names to the same values:
     with a host array staged into a graph (the consume's index, copied in before each
@@ -292,11 +281,11 @@ def test_a_replayed_program_leaves_every_buffer_as_eager_does(
             )
         return seen
 
-    captured = TorchInterpreter(device=CPU, groups=gloo, rank=0, plans=True)
+    captured = TorchInterpreter(device=CPU, groups=groups, rank=0, plans=True)
     planner = captured.planner
     assert planner is not None
     planner._capture, planner._guarded, planner._copies = True, True, 3
-    assert run(captured) == run(TorchInterpreter(device=CPU, groups=gloo, rank=0))
+    assert run(captured) == run(TorchInterpreter(device=CPU, groups=groups, rank=0))
     analysed = [
         plan.capture
         for family in planner._plans.values()
@@ -305,8 +294,8 @@ def test_a_replayed_program_leaves_every_buffer_as_eager_does(
     ]
     assert planner.replayed > 30
     assert any(capturable.host for capturable in analysed)
-    groups = [group for capturable in analysed for group in capturable.copy_groups or ()]
-    assert any(len(group) > 1 for group in groups)
+    copy_groups = [g for capturable in analysed for g in capturable.copy_groups or ()]
+    assert any(len(group) > 1 for group in copy_groups)
 
 
 def capturing(monkeypatch: pytest.MonkeyPatch) -> TorchInterpreter:
