@@ -51,7 +51,14 @@ from purepp._checks import INT32_MAX, check_bool, check_int, host_array, store_i
 from purepp._text import a_type, with_article
 from purepp._trusted import trusted
 from purepp.batch import BatchFacts
-from purepp.effects.arrays import ARRAY_EQ, BoolArray, IntArray, frozen, is_frozen, reduce_frozen
+from purepp.effects.arrays import (
+    ARRAY_EQ,
+    BoolArray,
+    IntArray,
+    freeze_fields,
+    frozen,
+    reduce_frozen,
+)
 from purepp.effects.keyed import KeyedEffects
 from purepp.effects.vocabulary import (
     Alias,
@@ -362,7 +369,7 @@ class RelayConfig:
             return num_reqs
         largest = self.buckets[-1]
         if type(num_reqs) is not int or not 0 <= num_reqs <= largest:
-            count = check_int(
+            num_reqs = check_int(
                 "RelayConfig.wire_rows",
                 "num_reqs",
                 num_reqs,
@@ -370,7 +377,6 @@ class RelayConfig:
                 largest,
                 fix=f"pass a request count within the largest bucket ({largest})",
             )
-            return _bucket(self.buckets, count)
         return _bucket(self.buckets, num_reqs)
 
 
@@ -404,7 +410,7 @@ class PendingReceive:
     rows: int  # wire rows: the batch's, or its bucket on the fixed wire
 
     def __attrs_post_init__(self) -> None:
-        _freeze_arrays(self, "idx_mapping_np", "need_sampled", "generations_at_receive")
+        freeze_fields(self, "idx_mapping_np", "need_sampled", "generations_at_receive")
 
 
 @attrs.frozen(kw_only=True)
@@ -441,7 +447,7 @@ def _check_state_fields(state: RelayState) -> None:
             f"generations is {_described(generations)}",
             "pass a 1-D int32 numpy array of per-slot generations (init_relay's, or a step's)",
         )
-    _freeze_arrays(state, "generations")  # a read-only view of writable memory can thaw
+    freeze_fields(state, "generations")  # a read-only view of writable memory can thaw
     ring, to_release = state.ring, state.to_release
     if type(ring) is not tuple or not all(
         entry is None or type(entry) is PendingReceive for entry in ring
@@ -468,15 +474,6 @@ def _check_state_fields(state: RelayState) -> None:
         )
 
 
-def _freeze_arrays(instance: object, *names: str) -> None:
-    """A value built by hand holds frozen copies of the caller's arrays (the steps build
-    theirs frozen, with trusted constructors that skip this)."""
-    for name in names:
-        value = getattr(instance, name)
-        if isinstance(value, np.ndarray) and not is_frozen(value):
-            object.__setattr__(instance, name, frozen(value))
-
-
 def _described(value: object) -> str:
     if isinstance(value, np.ndarray):
         return f"a {value.ndim}-D {value.dtype} array"
@@ -497,7 +494,7 @@ class ConsumedOutputs:
     idx_mapping_np: IntArray = attrs.field(eq=ARRAY_EQ)  # the same on the host
 
     def __attrs_post_init__(self) -> None:
-        _freeze_arrays(self, "idx_mapping_np")
+        freeze_fields(self, "idx_mapping_np")
 
 
 _PendingReceive = trusted(PendingReceive)

@@ -19,6 +19,7 @@ __all__ = [
     "BoolArray",
     "IntArray",
     "arrays_equal",
+    "freeze_fields",
     "frozen",
     "int32_array",
     "is_frozen",
@@ -68,10 +69,21 @@ def reduce_frozen(value: Any) -> tuple[Any, ...]:
 
 def _refrozen(cls: type[Any], values: tuple[Any, ...]) -> Any:
     instance = object.__new__(cls)
-    for field, value in zip(attrs.fields(cls), values, strict=True):
-        kept = frozen(value) if isinstance(value, np.ndarray) else value
-        object.__setattr__(instance, field.name, kept)
+    fields = attrs.fields(cls)
+    for field, value in zip(fields, values, strict=True):
+        object.__setattr__(instance, field.name, value)
+    freeze_fields(instance, *(field.name for field in fields))
     return instance
+
+
+def freeze_fields(instance: object, *names: str) -> None:
+    """Replace each array field of a frozen `instance` that is not immutable by a frozen
+    copy: a value built by hand (or unpickled) holds none of the caller's writable
+    memory. The library's own values, built frozen by trusted constructors, skip this."""
+    for name in names:
+        value = getattr(instance, name)
+        if isinstance(value, np.ndarray) and not is_frozen(value):
+            object.__setattr__(instance, name, frozen(value))
 
 
 def arrays_equal(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> bool:
