@@ -286,18 +286,22 @@ class ShapeFacts:
 
 def _check_shape(shape: ShapeFacts) -> None:
     """Checked once, at the boundary: a float or a bool would reach the DP table."""
-    for name in ("num_tokens", "uniform_token_count", "max_query_len", "num_active_loras"):
+    # The DP table writes an optional count's None as 0 (or -1): given, it is 1 or more.
+    for name, low in (
+        ("num_tokens", 0),
+        ("uniform_token_count", 1),
+        ("max_query_len", 1),
+        ("num_active_loras", 0),
+    ):
         value = getattr(shape, name)
-        if value is None and name in ("uniform_token_count", "max_query_len"):
+        if value is None and low:
             continue
-        if type(value) is not int or not 0 <= value <= INT32_MAX:
+        if type(value) is not int or not low <= value <= INT32_MAX:
+            unknown = ", or None when not known" if low else ""
             raise InvalidInputError(
-                "ShapeFacts", f"{name}={value!r}", f"pass {name} as an int in 0..{INT32_MAX}"
-            )
-    for name in ("uniform_token_count", "max_query_len"):
-        if getattr(shape, name) == 0:  # the DP table writes None as 0 (or -1)
-            raise InvalidInputError(
-                "ShapeFacts", f"{name}=0", f"pass {name} as an int >= 1, or None when not known"
+                "ShapeFacts",
+                f"{name}={value!r}",
+                f"pass {name} as an int in {low}..{INT32_MAX}{unknown}",
             )
     if type(shape.need_eager) is not bool:
         raise InvalidInputError("ShapeFacts", f"need_eager={shape.need_eager!r}", "pass a bool")
