@@ -621,7 +621,7 @@ def _check_start(
     if type(step) is not int or not 0 <= step <= INT32_MAX:
         check_int(call, "step", step, 0, fix=f"pass the decode step as an int in 0..{INT32_MAX}")
     if type(lane) is not Lane:
-        raise InvalidInputError(call, f"lane={lane!r} is not a Lane", "pass Lane.TARGET or DRAFTER")
+        raise _not_a_lane(call, lane)
     if type(asynchronous) is not bool:
         check_bool(call, "asynchronous", asynchronous)
     if dispatcher is not None and not callable(getattr(dispatcher, "dispatch", None)):
