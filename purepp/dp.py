@@ -14,7 +14,9 @@ The agreement is two pure steps around the all-reduce, with one shape:
    `DPSyncState`).
 2. `finish_agreement(lanes, pending, reduced_table)` always returns the
    `DispatchOutcome` (the seed's `sync_cudagraph_and_dp_padding` after its
-   all-reduce); the table is None when the start decided at once.
+   all-reduce); the table is None when the start decided at once. Its effects are a
+   `NoteDecision` of the decision, for the log checker to compare across ranks, and the
+   table's `Release`; nothing when the start decided at once.
 
 An asynchronous all-reduce is completed by the `WaitWork` that `wait_for_agreement`
 returns. Idle ranks (zero tokens) and eager ranks take part like any other: a rank that
@@ -86,6 +88,7 @@ from purepp.effects.vocabulary import (
     BufferRef,
     Communicator,
     Effect,
+    NoteDecision,
     Op,
     Release,
     WaitWork,
@@ -140,6 +143,7 @@ TABLE_ROWS = 5  # rows of the seed's layout
 # validators or post-init checks, half the cost of attrs's constructor).
 _AllReduce = trusted(AllReduce)
 _Release = trusted(Release)
+_NoteDecision = trusted(NoteDecision)
 _Descriptor = trusted(BatchExecutionDescriptor)
 _INT32 = np.dtype(np.int32)
 
@@ -579,7 +583,7 @@ class PendingAgreement:
     own: tuple[int, ...]  # this rank's column, to recognise its table
     # Known at the start, so the finish (on the critical path when the start overlaps
     # the forward) builds only the decision:
-    release: tuple[Effect, ...]  # the finish's effects: release the table's binding
+    release: tuple[Effect, ...]  # the finish's last effects: release the table's binding
 
 
 _PendingAgreement = trusted(PendingAgreement)
@@ -913,7 +917,9 @@ def finish_agreement(
       every rank's entry becomes the padded count, and the agreed request bound is the
       FULL graph's padded count, else the most any rank scheduled.
 
-    The one effect releases the reduced table's binding: the caller has read it.
+    Two effects, when a table was reduced: a `NoteDecision` of the decision for the log
+    (the checker and the simulator compare the ranks' notes: field failure 17), then the
+    `Release` of the table's binding (the caller has read it).
 
     Raises InvalidInputError when `pending` is not in flight in `lanes`, or the table is
     not the int32 sum of the ranks' contributions for this agreement (a dead rank's
@@ -933,7 +939,50 @@ def finish_agreement(
         return Step(free, (), pending.decided)
     bounds, live_table = _check_table(pending, reduced_table)
     outcome = _decide(pending, bounds, live_table)
-    return Step(free, pending.release, outcome)
+    return Step(free, (_note(pending, outcome), *pending.release), outcome)
+
+
+_MODE_NAMES = {mode: mode.name for mode in CUDAGraphMode}
+
+
+def _note(pending: PendingAgreement, outcome: DispatchOutcome) -> NoteDecision:
+    """The decision noted for the log: the agreed sync, mode and microbatches."""
+    descriptor, sync = outcome.descriptor, outcome.sync
+    table = cast(BufferRef, pending.table)  # set: this agreement reduced a table
+    comm = pending.group.comm_of(pending.lane)
+    if sync is None:  # no rank had work
+        return _NoteDecision(
+            step=pending.step,
+            op=Op.AGREE,
+            table=table,
+            comm=comm,
+            cg_mode="NONE",
+            num_ubatches=1,
+            num_tokens_across_dp=_idle_counts(pending.group.dp_size),
+            uniform_token_count=None,
+            eager=True,
+            num_reqs=0,
+            max_query_len=None,
+        )
+    return _NoteDecision(
+        step=pending.step,
+        op=Op.AGREE,
+        table=table,
+        comm=comm,
+        cg_mode=_MODE_NAMES[descriptor.cg_mode],
+        num_ubatches=descriptor.num_ubatches,
+        num_tokens_across_dp=sync.num_tokens_across_dp,
+        uniform_token_count=sync.uniform_token_count,
+        eager=sync.eager,
+        num_reqs=sync.num_reqs,
+        max_query_len=sync.max_query_len,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _idle_counts(dp_size: int) -> IntArray:
+    """dp_size zero counts, frozen: an idle agreement's note."""
+    return readonly(np.zeros(dp_size, dtype=np.int32), np.int32)
 
 
 def _check_finish(lanes: Any, pending: Any) -> None:

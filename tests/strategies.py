@@ -24,6 +24,7 @@ from purepp.dp import SEED_TABLE, MicrobatchConfig, RankBatch, TableLayout
 from purepp.effects.arrays import IntArray
 from purepp.effects.log import EffectLog, Layout, LogHeader
 from purepp.effects.vocabulary import (
+    DECIDED_MODES,
     AllReduce,
     Broadcast,
     BufferRef,
@@ -375,6 +376,8 @@ def _field_strategy(
         return int_fields.get(name, st.integers(0, 64))
     if tp is bool:
         return st.booleans()
+    if tp is str and name == "cg_mode":  # one of a few names
+        return st.sampled_from(DECIDED_MODES)
     if isinstance(tp, type) and issubclass(tp, BufferRef | EventRef | WorkRef):
         return ref_names.map(tp)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):

@@ -37,6 +37,7 @@ from purepp.effects.vocabulary import (
     AllReduce,
     BufferRef,
     Communicator,
+    NoteDecision,
     Op,
     Release,
     WaitWork,
@@ -522,10 +523,39 @@ def test_finish_matches_a_table_reduced_by_hand() -> None:
     assert second.table is not None
     decided = finish(second, first.contribution + second.contribution)
     assert decided.state == FREE
-    assert decided.effects == (Release(step=second.step, op=Op.AGREE, buffer=second.table),)
+    # The decision noted for the log (what the checker compares across ranks), then the
+    # table released.
+    note = NoteDecision(
+        step=second.step,
+        op=Op.AGREE,
+        table=second.table,
+        comm=Communicator.DP_CPU,
+        cg_mode="FULL",
+        num_ubatches=1,
+        num_tokens_across_dp=np.array([8, 8], dtype=np.int32),
+        uniform_token_count=2,
+        eager=False,
+        num_reqs=4,
+        max_query_len=None,
+    )
+    assert decided.effects == (note, Release(step=second.step, op=Op.AGREE, buffer=second.table))
     assert decided.result == DispatchOutcome(
         descriptor=desc(FULL, 8, 4, uniform=2), sync=sync([8, 8], uniform=2, reqs=4)
     )
+
+
+def test_an_idle_agreement_is_noted_as_eager_none_with_zero_counts() -> None:
+    first = pending_of(dp_rank=0, num_reqs=0, num_tokens=0)
+    second = pending_of(dp_rank=1, num_reqs=0, num_tokens=0)
+    assert first.contribution is not None
+    assert second.contribution is not None
+    decided = finish(second, first.contribution + second.contribution)
+    assert decided.result.sync is None
+    note = decided.effects[0]
+    assert isinstance(note, NoteDecision)
+    assert (note.cg_mode, note.eager, note.num_reqs, note.num_ubatches) == ("NONE", True, 0, 1)
+    assert note.num_tokens_across_dp.tolist() == [0, 0]
+    assert (note.uniform_token_count, note.max_query_len) == (None, None)
 
 
 def test_start_and_finish_build_what_the_public_constructors_build() -> None:
@@ -576,8 +606,22 @@ def test_start_and_finish_build_what_the_public_constructors_build() -> None:
     finished = finish_agreement(started.state, started.result, reduced)
     agreed = sync([4, 4, 4], uniform=2, reqs=2)
     outcome = DispatchOutcome(descriptor=desc(FULL, 4, 2, uniform=2), sync=agreed)
-    assert finished == Step(state=AgreementLanes(), effects=(release,), result=outcome)
+    note = NoteDecision(
+        step=7,
+        op=Op.AGREE,
+        table=table,
+        comm=Communicator.DP_CPU,
+        cg_mode="FULL",
+        num_ubatches=1,
+        num_tokens_across_dp=agreed.num_tokens_across_dp,
+        uniform_token_count=2,
+        eager=False,
+        num_reqs=2,
+        max_query_len=None,
+    )
+    assert finished == Step(state=AgreementLanes(), effects=(note, release), result=outcome)
     assert hash(finished.result) == hash(outcome)
+    assert hash(finished.effects[0]) == hash(note)
 
     at_once_started = start_agreement(
         FREE, AgreementGroup(dp_size=1, dp_rank=0), SPEC, facts, step=7

@@ -7,6 +7,7 @@ takes one); the interpreters themselves live in their own modules.
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.vocabulary import (
     COLLECTIVES,
+    DECIDED_MODES,
     Alias,
     Allocate,
     AllReduce,
@@ -20,6 +21,7 @@ from purepp.effects.vocabulary import (
     EventRef,
     ForgetEvent,
     GatherRows,
+    NoteDecision,
     Op,
     Pack,
     PadColumns,
@@ -41,6 +43,7 @@ from purepp.effects.vocabulary import (
 
 __all__ = [
     "COLLECTIVES",
+    "DECIDED_MODES",
     "Alias",
     "AllReduce",
     "Allocate",
@@ -55,6 +58,7 @@ __all__ = [
     "ForgetEvent",
     "GatherRows",
     "Interpreter",
+    "NoteDecision",
     "Op",
     "Pack",
     "PadColumns",

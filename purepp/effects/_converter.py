@@ -496,6 +496,8 @@ def _format_exception(exc: BaseException, tp: type | None) -> str:
             return str(exc)
         case PureppError():
             return exc.problem
+        case ValueError() if str(exc):  # a field's validator, which names the field
+            return f"invalid value: {exc}"
         case _:
             return format_exception(exc, tp)
 

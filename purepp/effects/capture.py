@@ -8,9 +8,10 @@ static buffers); it may also hold CopyHostToDevice, Unpack and effects that only
 names (Release, Alias, RecordStream). A plan is captured only if:
 - all its device work is on one stream S, and every broadcast runs over an NCCL group;
 - no stream ordering (WaitStream, WaitEvent, RecordEvent, ForgetEvent) and no host
-  work (AllReduce, WaitWork, CheckHeader, Synchronize) sits inside the segment: they
-  run, as eager runs them, before or after the whole segment (so a receive never makes
-  main wait for its broadcast: the consume's WaitEvent, ring_depth steps later, does).
+  work (AllReduce, WaitWork, NoteDecision, CheckHeader, Synchronize) sits inside the
+  segment: they run, as eager runs them, before or after the whole segment (so a receive
+  never makes main wait for its broadcast: the consume's WaitEvent, ring_depth steps
+  later, does).
 The relay's receive, send and draft-scatter batches have this shape (a consume's
 CopyHostToDevice before its WaitEvent runs in the prefix). Anything else runs as a plan.
 
@@ -89,6 +90,7 @@ from purepp.effects.vocabulary import (
     Effect,
     ForgetEvent,
     GatherRows,
+    NoteDecision,
     Pack,
     PadColumns,
     RecordEvent,
@@ -546,7 +548,7 @@ _DEVICE = (
 )
 _GRAPH = tuple(kind for kind in _DEVICE if kind is not CopyHostToDevice)  # kernels in a graph
 _ORDER = (WaitStream, WaitEvent, RecordEvent, ForgetEvent)
-_HOST = (AllReduce, WaitWork, CheckHeader, Synchronize)
+_HOST = (AllReduce, WaitWork, NoteDecision, CheckHeader, Synchronize)
 
 
 class _Segment:
@@ -766,6 +768,7 @@ def _lower(
             | CheckHeader()
             | AllReduce()
             | WaitWork()
+            | NoteDecision()
             | Synchronize()
         ):
             raise AssertionError(f"{type(effect).__name__} is never inside a captured segment")

@@ -12,10 +12,12 @@ only in its digits is not validated again, and records that never wait are not b
 (`LogStream.scan`).
 
 Outcomes (`CheckReport.exit_code`):
-- 0: every collective matched on every communicator;
+- 0: every collective matched on every communicator, and every agreement was decided
+  alike;
 - 1: a finding: a mismatch (classified, with its culprit rank), a deadlock (with its
   wait-for cycle), the stages of one replica contributing different columns to one
-  agreement (a stage divergence: they would run different shapes), a log that ends
+  agreement (a stage divergence: they would run different shapes), ranks that noted
+  different decisions for one agreement (a decision divergence), a log that ends
   mid-record (the rank died while writing; the report says what every rank was waiting
   on), a rank with no log (it died before writing its header, or its log was not
   copied: the others are checked with it as a rank that issued nothing, and the report

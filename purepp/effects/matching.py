@@ -13,10 +13,13 @@ and the log checker, offline, over whole per-rank effect logs
 (`DeadlockReport`, `RingOverrunReport`) live here too, so every report a caller
 may receive is in one place, carried by `CollectiveReportError`.
 
-One disagreement no collective shows is compared here as well (`StageAgreements`):
-the stages of one replica agree their batch shape in separate DP groups, so a
-stage-local fact in one stage's column matches every collective and still makes
-the stages run different shapes (`StageDivergenceReport`, field failure 7).
+Two disagreements no collective shows are compared here as well. The stages of one
+replica agree their batch shape in separate DP groups, so a stage-local fact in one
+stage's column matches every collective and still makes the stages run different
+shapes (`StageAgreements`, `StageDivergenceReport`, field failure 7). And the ranks
+note what they decided (`NoteDecision`): ranks that decided one agreement differently,
+from a corrupted all-reduce or a dispatcher of their own, match every collective of it
+too (`Decisions`, `DecisionDivergenceReport`, field failure 17).
 
 Communicator instances in a PP x DP world (`purepp.layout.Layout`: global
 rank = dp_index * pp + pp_stage): PP_RELAY and PP_CPU groups are the stages of
@@ -39,6 +42,7 @@ from purepp.effects.vocabulary import (
     DType,
     Effect,
     EventRef,
+    NoteDecision,
     Op,
     Stream,
 )
@@ -53,9 +57,12 @@ __all__ = [
     "CollectiveSignature",
     "CommInstance",
     "DeadlockReport",
+    "DecisionDivergenceReport",
+    "Decisions",
     "MismatchClass",
     "MismatchField",
     "MismatchReport",
+    "RankDecision",
     "Report",
     "RingOverrunReport",
     "StageAgreements",
@@ -692,7 +699,7 @@ class StageAgreements:
 
     Not seen here: a stage-local fact that leaves the column alone (another dispatcher
     whose mode matches but whose padding does not, different dead ranks marked on two
-    stages) changes only the decision, which no effect records; and with dp=1 a stage
+    stages) changes only the decision, which `Decisions` compares; and with dp=1 a stage
     decides alone, with no collective at all.
     """
 
@@ -796,7 +803,7 @@ class StageAgreements:
             step=step,
             op=op,
             comm=comm,
-            lane=_lane_of(posts[min(posts)]),
+            lane=_lane_of(posts[min(posts)].result.name, comm),
             rows=rows,
             columns=tuple(columns),
             differing=differing,
@@ -814,16 +821,222 @@ def _order(key: _AgreementKey, step: int) -> tuple[int, int, int]:
     return (step, replica, _COMM_ORDER[comm])
 
 
-def _lane_of(effect: AllReduce) -> str:
+def _lane_of(table: str, comm: Communicator) -> str:
     """The lane an agreement runs on: from its table's name (`dp.target.step7.table`, as
     purepp.dp names it), else from the communicator's default lane."""
-    parts = effect.result.name.split(".")
+    parts = table.split(".")
     if len(parts) > 2 and parts[0] == "dp" and parts[1]:
         return parts[1]
-    return _LANE_OF_COMM.get(effect.comm, effect.comm.value)
+    return _LANE_OF_COMM.get(comm, comm.value)
 
 
-Report: TypeAlias = MismatchReport | DeadlockReport | RingOverrunReport | StageDivergenceReport
+# -- the decisions the ranks noted ---------------------------------------------------------
+
+# Notes held per scope while some member has not noted that table yet. A member that
+# never does (it died) would hold the entry for ever; no driver lets a rank run this far
+# ahead of another, so the oldest is dropped.
+_DECISION_WINDOW: Final = 1024
+
+# A decision's values, compared between ranks: everything but step, op, table and comm.
+_Decided: TypeAlias = tuple[str, int, bytes, int | None, bool, int, int | None]
+_DECIDED_FIELDS: Final = (
+    "cg_mode",
+    "num_ubatches",
+    "num_tokens_across_dp",
+    "uniform_token_count",
+    "eager",
+    "num_reqs",
+    "max_query_len",
+)
+
+
+def _decided(note: NoteDecision) -> _Decided:
+    return (
+        note.cg_mode,
+        note.num_ubatches,
+        note.num_tokens_across_dp.tobytes(),
+        note.uniform_token_count,
+        note.eager,
+        note.num_reqs,
+        note.max_query_len,
+    )
+
+
+@attrs.frozen(kw_only=True)
+class RankDecision:
+    """One decision some ranks noted for an agreement, and which ranks noted it."""
+
+    ranks: tuple[int, ...]  # global ranks that noted it, ascending
+    note: NoteDecision  # the lowest of them's note
+
+    def describe(self) -> str:
+        """E.g. `cg_mode=FULL, num_ubatches=1, num_tokens_across_dp=[8, 8], ...`."""
+        note = self.note
+        return ", ".join(
+            f"{name}={note.num_tokens_across_dp.tolist()}"
+            if name == "num_tokens_across_dp"
+            else f"{name}={getattr(note, name)}"
+            for name in _DECIDED_FIELDS
+        )
+
+
+@attrs.frozen(kw_only=True)
+class DecisionDivergenceReport:
+    """Ranks noted different decisions for one agreement (`NoteDecision`).
+
+    A decision is a function of the reduced table, so the ranks of one all-reduce
+    decide alike unless the all-reduce handed them different tables (a faulty backend:
+    field failure 17, vllm-ascend#10046; `finish_agreement` refuses a table that is not
+    consistent with this rank's own column, but cannot see another rank's column
+    corrupted). And the stages of one replica, each agreeing over its own DP group,
+    decide alike unless a stage-local fact shapes the decision without entering the
+    table (another dispatcher, other dead ranks marked): field failure 7 again, where
+    `StageDivergenceReport` sees only the tables. Every collective still matches.
+    """
+
+    step: int  # the agreement's decode step
+    op: Op  # the operation that noted it
+    table: str  # the reduced table's name, the agreement's identity
+    comm: Communicator  # the communicator it was reduced over
+    lane: str  # the agreement lane: "target" or "drafter" (from the table's name)
+    decisions: tuple[RankDecision, ...]  # each decision noted, most ranks first
+    differing: tuple[str, ...]  # the fields the decisions differ in
+    # two ranks of one communicator instance noted different decisions: the all-reduce
+    # itself gave them different tables (else only separate groups, stages, differ)
+    within_group: bool
+
+    def render(self) -> str:
+        lines = [
+            f"Decision divergence: step {self.step}, {self.lane} lane (table"
+            f" {self.table!r} reduced over {self.comm.value}, {self.op.value})",
+        ]
+        for decision in self.decisions:
+            who = "rank" if len(decision.ranks) == 1 else "ranks"
+            lines.append(f"  {who} {_ranks(decision.ranks)} decided {decision.describe()}")
+        lines.append(f"  they differ in: {', '.join(self.differing)}")
+        if self.within_group:
+            lines.append(
+                "  Ranks that reduced one table decided differently: the all-reduce gave"
+                " them different sums, or they decide with different dispatchers or dead"
+                " ranks. They run different shapes, and their next collectives do not meet."
+            )
+        else:
+            lines.append(
+                "  Each group decided alike, but the stages of a replica decided"
+                " differently from their own DP groups' tables: the activations passed"
+                " between them never meet."
+            )
+        return "\n".join(lines)
+
+    def fix(self) -> str:
+        if self.within_group:
+            return (
+                "compare the ranks' AllReduce contributions in the logs with their sum:"
+                " when the ranks were handed different sums, the backend's all-reduce is"
+                " faulty on this platform (run the agreement's CPU group over one that sums"
+                " correctly); else give every rank of the group the same dispatcher and"
+                " the same dead ranks"
+            )
+        return (
+            "decide from what every stage shares: give every stage the same dispatcher"
+            " (capture sizes, cudagraph mode) and mark the same dead ranks on every stage"
+        )
+
+
+class Decisions:
+    """Compares the decisions the ranks note for each agreement (`NoteDecision`).
+
+    The simulator and the log checker (through `CollectiveHub`) `note` every
+    `NoteDecision` as it is issued. An agreement is identified by its step and its
+    reduced table's name. Who must decide alike: the ranks of one communicator instance
+    (they reduced one table), and for an agreement over a DP lane every rank of the
+    world (each stage's DP group reduces a table of its own, and the stages of a replica
+    are given one batch). Once an agreement has two decisions, every note of it returns
+    a `DecisionDivergenceReport` of all its notes so far.
+    """
+
+    def __init__(self, world: Layout) -> None:
+        self._world = world
+        # (scope, step, table) -> decision -> the ranks that noted it, and the first note
+        self._notes: dict[
+            tuple[tuple[int, ...], int, str], dict[_Decided, tuple[list[int], NoteDecision]]
+        ] = {}
+
+    def note(self, rank: int, note: NoteDecision) -> tuple[DecisionDivergenceReport, bool] | None:
+        """Note `rank`'s decision. When its agreement has two decisions, the report, and
+        whether every rank of `rank`'s group has noted it (the report then shows them all).
+        """
+        world = self._world
+        scope = (
+            tuple(range(world.world_size))
+            if note.comm in _PER_STAGE
+            else comm_group(world, rank, note.comm)
+        )
+        key = (scope, note.step, str(note.table))
+        decided = _decided(note)
+        seen = self._notes.get(key)
+        if seen is None:
+            self._notes[key] = {decided: ([rank], note)}
+            if len(self._notes) > _DECISION_WINDOW:
+                del self._notes[next(iter(self._notes))]
+            return None
+        same = seen.get(decided)
+        if same is None:
+            seen[decided] = ([rank], note)
+        else:
+            same[0].append(rank)
+        if sum(len(ranks) for ranks, _ in seen.values()) == len(scope):
+            del self._notes[key]  # every member noted it
+        if len(seen) == 1:
+            return None
+        noted = {r for ranks, _ in seen.values() for r in ranks}
+        group_noted = noted.issuperset(comm_group(world, rank, note.comm))
+        return self._report(note, seen), group_noted
+
+    def _report(
+        self, note: NoteDecision, seen: Mapping[_Decided, tuple[list[int], NoteDecision]]
+    ) -> DecisionDivergenceReport:
+        decisions = sorted(
+            (RankDecision(ranks=tuple(sorted(r)), note=first) for r, first in seen.values()),
+            key=lambda d: (-len(d.ranks), d.ranks),
+        )
+        values = list(seen)
+        differing = tuple(
+            name
+            for i, name in enumerate(_DECIDED_FIELDS)
+            if len({value[i] for value in values}) > 1
+        )
+        group_of = {
+            rank: comm_group(self._world, rank, note.comm)
+            for decision in decisions
+            for rank in decision.ranks
+        }
+        within_group = any(
+            group_of[a] == group_of[b]
+            for i, one in enumerate(decisions)
+            for other in decisions[i + 1 :]
+            for a in one.ranks
+            for b in other.ranks
+        )
+        return DecisionDivergenceReport(
+            step=note.step,
+            op=note.op,
+            table=str(note.table),
+            comm=note.comm,
+            lane=_lane_of(note.table, note.comm),
+            decisions=tuple(decisions),
+            differing=differing,
+            within_group=within_group,
+        )
+
+
+Report: TypeAlias = (
+    MismatchReport
+    | DeadlockReport
+    | RingOverrunReport
+    | StageDivergenceReport
+    | DecisionDivergenceReport
+)
 
 
 class CollectiveReportError(CollectiveMismatchError):

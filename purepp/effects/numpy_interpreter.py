@@ -68,6 +68,7 @@ from purepp.effects.vocabulary import (
     EventRef,
     ForgetEvent,
     GatherRows,
+    NoteDecision,
     Op,
     Pack,
     PadColumns,
@@ -151,6 +152,8 @@ def describe_effect(effect: Effect) -> str:
             return f"all_reduce({effect.result.name!r} over {effect.comm.value}, {mode})"
         case WaitWork():
             return f"wait_work({effect.work.name!r})"
+        case NoteDecision():
+            return f"note_decision({effect.table.name!r}: {effect.cg_mode})"
         case RecordStream():
             return f"record_stream({effect.buffer.name!r} on {effect.stream.value})"
         case Release():
@@ -507,6 +510,8 @@ class NumpyInterpreter:
                 self._all_reduce(effect)
             case WaitWork():
                 self._wait_work(effect)
+            case NoteDecision():
+                self._env.lookup(effect, effect.table)  # decided from it: still bound
             case RecordStream():
                 self._env.lookup(effect, effect.buffer).memory.recorded.add(effect.stream)
             case Release():

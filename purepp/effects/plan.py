@@ -62,6 +62,7 @@ from purepp.effects.vocabulary import (
     EventRef,
     ForgetEvent,
     GatherRows,
+    NoteDecision,
     Pack,
     PadColumns,
     RecordEvent,
@@ -180,6 +181,10 @@ def _wait_work(e: WaitWork, at: At, n: Size) -> Hashable:
     return (9, at(e.work, n()))
 
 
+def _note_decision(e: NoteDecision, at: At, n: Size) -> Hashable:
+    return (20, at(e.table, n()))  # the decision's values are a note: no structure
+
+
 def _alias(e: Alias, at: At, n: Size) -> Hashable:
     return (12, at(e.source, n()), at(e.out, n()))
 
@@ -232,6 +237,7 @@ _PARTS: dict[type, Callable[[Any, At, Size], Hashable]] = {
     CheckHeader: _check_header,
     AllReduce: _all_reduce,
     WaitWork: _wait_work,
+    NoteDecision: _note_decision,
     Alias: _alias,
     PadColumns: _pad_columns,
     StackRows: _stack_rows,
@@ -264,6 +270,8 @@ def _uses(effect: Effect) -> tuple[tuple[Name, int], ...]:
             return ((effect.result, make), *work)
         case WaitWork():
             return ((effect.work, Role.WORK_IN),)
+        case NoteDecision():
+            return ((effect.table, read),)
         case Alias() | PadColumns():
             return ((effect.source, read), (effect.out, make))
         case StackRows():
@@ -390,6 +398,8 @@ def _fields(effect: Effect) -> list[str]:
             return ["result"] if effect.work is None else ["result", "work"]
         case WaitWork():
             return ["work"]
+        case NoteDecision():
+            return ["table"]
         case Alias() | PadColumns():
             return ["source", "out"]
         case StackRows():

@@ -7,7 +7,9 @@ the head of its stream on every member, and can say, for a stuck op, which membe
 it waits for. That last answer is the wait-for graph (rank -> communicator -> rank)
 in which a cross-communicator order deadlock shows up as a cycle. It also hands each
 all-reduce to `StageAgreements`, which reports the stages of one replica contributing
-different columns to their per-stage agreements (field failure 7).
+different columns to their per-stage agreements (field failure 7), and each noted
+decision (`NoteDecision`) to `Decisions`, which reports ranks that decided one agreement
+differently (field failures 17 and 7).
 
 `StreamLanes` is one rank's streams with the interpreter's ordering rules and no
 data: collectives wait for the hub, stream and event waits for the counts of the
@@ -33,6 +35,8 @@ from purepp.effects.matching import (
     CollectiveReportError,
     CollectiveSignature,
     CommInstance,
+    DecisionDivergenceReport,
+    Decisions,
     StageAgreements,
     WaitEdge,
     check_posts,
@@ -53,6 +57,7 @@ from purepp.effects.vocabulary import (
     EventRef,
     ForgetEvent,
     GatherRows,
+    NoteDecision,
     Op,
     Pack,
     PadColumns,
@@ -106,7 +111,8 @@ class CollectiveHub:
 
     Posts that disagree raise `CollectiveReportError` naming `call`, and so does an
     all-reduce whose table differs from another stage's of its replica for the same
-    agreement (`StageAgreements`; pp > 1 only). With
+    agreement (`StageAgreements`; pp > 1 only), and a noted decision that differs from
+    another rank's for the same agreement (`Decisions`, through `note`). With
     `compare_steps=False` the step labels are ignored when comparing (as on the wire)
     and the report shows them as labelled. `completed_ranks` collects the ranks
     whose posts completed since `run_completed` last ran them.
@@ -128,6 +134,9 @@ class CollectiveHub:
         self._agreed = True
         # With one stage per replica there are no stages to compare.
         self._stages = StageAgreements(world) if world.pp > 1 else None
+        self._decisions = Decisions(world)
+        # the first agreement whose stages decided differently (see `note`)
+        self._held_decision: DecisionDivergenceReport | None = None
 
     def post(self, posted: PostedCollective, /) -> None:
         """Match `posted` with its peers' posts of the same op, then compare an agreement's
@@ -138,6 +147,24 @@ class CollectiveHub:
             divergence = stages.post(posted.rank, effect)
             if divergence is not None:
                 raise CollectiveReportError.from_report(self._call, divergence)
+
+    def note(self, rank: int, note: NoteDecision, /) -> None:
+        """Compare `rank`'s noted decision with the other ranks' notes of its agreement.
+
+        Ranks of one group that decided differently are raised once every rank of the
+        group has noted it, so the report shows which side most ranks took. Stages that
+        decided differently are held until the run ends or stops (`raise_held`): when
+        their columns differed, the stages' divergence is the cause, and it is reported
+        instead (it may itself be held for a stage behind)."""
+        found = self._decisions.note(rank, note)
+        if found is None:
+            return
+        divergence, group_noted = found
+        if divergence.within_group and group_noted:
+            raise CollectiveReportError.from_report(self._call, divergence)
+        held = self._held_decision
+        if held is None or (held.step, held.table) == (divergence.step, divergence.table):
+            self._held_decision = divergence  # the first, with the notes since
 
     def run_completed(self, advancers: Sequence[Callable[[], object]]) -> None:
         """Call `advancers[rank]()` for every rank whose posts completed since the last
@@ -151,11 +178,18 @@ class CollectiveHub:
                 advancers[rank]()
 
     def raise_held(self) -> None:
-        """Raise the stages' divergence held back for an agreement some stage never
-        posted (`StageAgreements.held`): call it when the run ends or cannot go on."""
+        """Raise a group's decisions that differed, held for a rank that never noted
+        them, else the stages' divergence held back for an agreement some stage never
+        posted (`StageAgreements.held`), else the stages' decisions that differed
+        (`note`): call it when the run ends or cannot go on."""
+        decision = self._held_decision
+        if decision is not None and decision.within_group:  # a cause of its own
+            raise CollectiveReportError.from_report(self._call, decision)
         held = None if self._stages is None else self._stages.held
         if held is not None:
             raise CollectiveReportError.from_report(self._call, held)
+        if decision is not None:
+            raise CollectiveReportError.from_report(self._call, decision)
 
     def _match(self, posted: PostedCollective) -> None:
         rank, effect = posted.rank, posted.effect
@@ -419,6 +453,8 @@ class StreamLanes:
                     self._queues[effect.stream].append(_Wait(effect, mark[0], mark[1]))
             case ForgetEvent():
                 self._events.pop(effect.event, None)
+            case NoteDecision():
+                self._hub.note(self.rank, effect)
             case Synchronize():
                 # The host waits for everything queued so far on the stream.
                 target = self._issued[effect.stream]

@@ -37,8 +37,11 @@ as every communicator:
   their columns are compared too: the first agreement (by step, then replica) to
   which they contributed different columns stops the run with a
   `StageDivergenceReport` (field failure 7), before any deadlock or overrun.
+- Each rank's noted decisions (`NoteDecision`) are compared as they are issued: the
+  first agreement some rank decided differently from another stops the run with a
+  `DecisionDivergenceReport` (field failures 17 and 7).
 
-All four reports are raised in a `CollectiveReportError` (a
+All five reports are raised in a `CollectiveReportError` (a
 `CollectiveMismatchError`) whose message is the report's rendering. A received relay
 header that differs from the receiver's own stops the run with `HeaderMismatchError`
 (also a `CollectiveMismatchError`), raised by that rank's interpreter.
@@ -74,6 +77,7 @@ from purepp.effects.vocabulary import (
     AllReduce,
     Communicator,
     Effect,
+    NoteDecision,
     Stream,
     Synchronize,
     WaitEvent,
@@ -250,6 +254,8 @@ class _Simulation:
             rank.pending.popleft()
             rank.issued.append(effect)
             rank.interpreter.issue(effect)
+            if type(effect) is NoteDecision:
+                self._hub.note(rank.context.rank, effect)
             self._hub.run_completed(self._advancers)
             progressed = True
             if rank.interpreter.host_blocked():
@@ -411,8 +417,8 @@ def simulate(
     program that pairs different steps would do.
 
     Raises `CollectiveReportError` (a `CollectiveMismatchError`) carrying a
-    `MismatchReport`, `RingOverrunReport`, `DeadlockReport` or `StageDivergenceReport`, or
-    `HeaderMismatchError` when a relay header check fails.
+    `MismatchReport`, `RingOverrunReport`, `DeadlockReport`, `StageDivergenceReport` or
+    `DecisionDivergenceReport`, or `HeaderMismatchError` when a relay header check fails.
     """
     if not isinstance(world, Layout):
         raise ConfigError(_CALL, f"world is {a_type(world)}", "pass a Layout(pp=..., dp=...)")

@@ -80,6 +80,7 @@ from purepp.effects.vocabulary import (
     EventRef,
     ForgetEvent,
     GatherRows,
+    NoteDecision,
     Pack,
     PadColumns,
     RecordEvent,
@@ -456,6 +457,7 @@ class TorchInterpreter:
             CheckHeader: self._check_header,
             AllReduce: self._all_reduce,
             WaitWork: self._wait_work,
+            NoteDecision: self._note_decision,
             RecordStream: self._record_stream,
             Release: self._release,
             Alias: self._alias,
@@ -699,6 +701,7 @@ class TorchInterpreter:
                 | CheckHeader()
                 | AllReduce()
                 | WaitWork()
+                | NoteDecision()
                 | RecordStream()
                 | Release()
                 | Alias()
@@ -935,6 +938,9 @@ class TorchInterpreter:
             what = f"all-reduce into {effect.result.name!r} {effect.contribution.shape}"
             raise self._peer_failure(effect, what, effect.comm, error) from error
         env.buffers[effect.result] = table
+
+    def _note_decision(self, effect: NoteDecision) -> None:
+        self.env.lookup(effect, effect.table)  # a note for the log: the table is still bound
 
     def _wait_work(self, effect: WaitWork) -> None:
         pending, result = self.env.work(effect, effect.work)

@@ -22,6 +22,7 @@ from purepp.errors import InvalidInputError
 
 __all__ = [
     "COLLECTIVES",
+    "DECIDED_MODES",
     "Alias",
     "AllReduce",
     "Allocate",
@@ -35,6 +36,7 @@ __all__ = [
     "EventRef",
     "ForgetEvent",
     "GatherRows",
+    "NoteDecision",
     "Op",
     "Pack",
     "PadColumns",
@@ -280,6 +282,40 @@ class WaitWork:
     work: WorkRef  # the handle to wait on
 
 
+# The CUDA-graph modes a decision can name (purepp.cudagraph.CUDAGraphMode's names).
+DECIDED_MODES: tuple[str, ...] = ("NONE", "PIECEWISE", "FULL")
+
+
+@attrs.frozen(kw_only=True)
+class NoteDecision:
+    """Note in the log what an agreement decided from its reduced table; no device work.
+
+    Every field but `step`, `op` and `comm` is the agreed `DPSyncState` and the mode
+    and microbatch count every rank runs: a function of the table, so the same on every
+    rank that reduced it, and on every stage of a pipeline that agreed over its own DP
+    group. The log checker and the simulator compare the ranks' notes of one table and
+    name a rank that decided otherwise: a corrupted all-reduce (field failure 17), or a
+    stage whose dispatcher chose another graph (field failure 7). An agreement no rank
+    had work for (which agrees no sync) is noted as eager mode NONE, with no request and
+    every count 0: no other decision has them.
+    """
+
+    __reduce__ = reduce_frozen  # its arrays stay frozen in a copy
+
+    step: int  # decode step the effect belongs to
+    op: Op  # operation that emitted it
+    table: BufferRef  # the reduced table decided from (its AllReduce's result), still bound
+    comm: Communicator  # the group that reduced it (its AllReduce's)
+    cg_mode: str = attrs.field(validator=attrs.validators.in_(DECIDED_MODES))  # mode run
+    num_ubatches: int  # microbatches every rank splits the step into (1: not split)
+    # every rank's token count for the forward context, 0 for a dead rank
+    num_tokens_across_dp: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
+    uniform_token_count: int | None  # agreed uniform decode length, None: none agreed
+    eager: bool  # the ranks agreed to run eager
+    num_reqs: int  # agreed request bound
+    max_query_len: int | None  # agreed query-length bound, None: none agreed
+
+
 @attrs.frozen(kw_only=True)
 class RecordStream:
     """Mark `buffer` as used on `stream`, so its memory outlives that use (record_stream)."""
@@ -424,6 +460,7 @@ Effect: TypeAlias = (
     | CheckHeader
     | AllReduce
     | WaitWork
+    | NoteDecision
     | RecordStream
     | Release
     | Alias

@@ -23,6 +23,7 @@ from purepp.effects.vocabulary import (
     Effect,
     ForgetEvent,
     GatherRows,
+    NoteDecision,
     Pack,
     PadColumns,
     RecordEvent,
@@ -65,7 +66,7 @@ def _track(effect: Effect) -> str:
             | Unpack()
         ):
             return effect.stream.value
-        case ForgetEvent() | AllReduce() | WaitWork() | Release() | Alias():
+        case ForgetEvent() | AllReduce() | WaitWork() | NoteDecision() | Release() | Alias():
             return "host"
         case _:
             assert_never(effect)
