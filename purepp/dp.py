@@ -942,14 +942,18 @@ def finish_agreement(
     return Step(free, (_note(pending, outcome), *pending.release), outcome)
 
 
-_MODE_NAMES = {mode: mode.name for mode in CUDAGraphMode}
+# Indexed by the mode's value: an IntEnum indexes a list in C, where hashing one for a
+# dict is a Python call (Enum.__hash__).
+_MODE_NAMES = [mode.name for mode in sorted(CUDAGraphMode)]
 
 
 def _note(pending: PendingAgreement, outcome: DispatchOutcome) -> NoteDecision:
     """The decision noted for the log: the agreed sync, mode and microbatches."""
     descriptor, sync = outcome.descriptor, outcome.sync
-    table = cast(BufferRef, pending.table)  # set: this agreement reduced a table
-    comm = pending.group.comm_of(pending.lane)
+    table = pending.table
+    assert table is not None  # this agreement reduced a table
+    group = pending.group
+    comm = group.comm if pending.lane is Lane.TARGET else group.drafter_comm
     if sync is None:  # no rank had work
         return _NoteDecision(
             step=pending.step,
@@ -958,7 +962,7 @@ def _note(pending: PendingAgreement, outcome: DispatchOutcome) -> NoteDecision:
             comm=comm,
             cg_mode="NONE",
             num_ubatches=1,
-            num_tokens_across_dp=_idle_counts(pending.group.dp_size),
+            num_tokens_across_dp=_idle_counts(group.dp_size),
             uniform_token_count=None,
             eager=True,
             num_reqs=0,
