@@ -954,7 +954,7 @@ def _note(pending: PendingAgreement, outcome: DispatchOutcome) -> NoteDecision:
     assert table is not None  # this agreement reduced a table
     group = pending.group
     comm = group.comm if pending.lane is Lane.TARGET else group.drafter_comm
-    if sync is None:  # no rank had work
+    if sync is None:  # no rank had work: eager, nothing padded
         return _NoteDecision(
             step=pending.step,
             op=Op.AGREE,
