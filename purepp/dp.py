@@ -950,8 +950,7 @@ _MODE_NAMES = [mode.name for mode in sorted(CUDAGraphMode)]
 def _note(pending: PendingAgreement, outcome: DispatchOutcome) -> NoteDecision:
     """The decision noted for the log: the agreed sync, mode and microbatches."""
     descriptor, sync = outcome.descriptor, outcome.sync
-    table = pending.table
-    assert table is not None  # this agreement reduced a table
+    table = cast(BufferRef, pending.table)  # set: this agreement reduced a table
     group = pending.group
     comm = group.comm if pending.lane is Lane.TARGET else group.drafter_comm
     if sync is None:  # no rank had work: eager, nothing padded
