@@ -198,7 +198,12 @@ def recorded_logs(corrupt_on: set[tuple[int, int]]) -> list[EffectLog]:
 
 def test_ff17_purepp_check_names_the_rank_that_decided_otherwise(tmp_path: Path) -> None:
     dump_logs(recorded_logs(set()), tmp_path / "correct")
-    assert check_logs(tmp_path / "correct").exit_code == 0
+    correct = check_logs(tmp_path / "correct")
+    assert correct.exit_code == 0
+    assert correct.text == (
+        "ok: 3 ranks, 12 collectives over 4 steps, every communicator matches,"
+        " every rank decided its 4 agreements alike"
+    )
 
     dump_logs(recorded_logs({(1, CORRUPT_STEP)}), tmp_path / "broken")
     checked = check_logs(tmp_path / "broken")

@@ -496,10 +496,12 @@ class _Check:
                 " one replica, or logging was off); record a longer run (purepp run: raise"
                 " --steps, or pass --steps 0 to run every request to the end)"
             )
+        alike = self._hub.decided_alike
+        decided = f", every rank decided its {counted(alike, 'agreement')} alike" if alike else ""
         return self._report(
             f"ok: {counted(summary.ranks, 'rank')}, "
             f"{counted(summary.collectives, 'collective')} over "
-            f"{counted(summary.steps, 'step')}, every communicator matches",
+            f"{counted(summary.steps, 'step')}, every communicator matches{decided}",
             ok=True,
         )
 

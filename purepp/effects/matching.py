@@ -961,6 +961,7 @@ class Decisions:
         self._notes: dict[
             tuple[tuple[int, ...], int, str], dict[_Decided, tuple[list[int], NoteDecision]]
         ] = {}
+        self.alike = 0  # agreements every rank that must has noted, all alike
 
     def note(self, rank: int, note: NoteDecision) -> tuple[DecisionDivergenceReport, bool] | None:
         """Note `rank`'s decision. When its agreement has two decisions, the report, and
@@ -987,6 +988,7 @@ class Decisions:
             same[0].append(rank)
         if sum(len(ranks) for ranks, _ in seen.values()) == len(scope):
             del self._notes[key]  # every member noted it
+            self.alike += len(seen) == 1
         if len(seen) == 1:
             return None
         noted = {r for ranks, _ in seen.values() for r in ranks}

@@ -148,6 +148,11 @@ class CollectiveHub:
             if divergence is not None:
                 raise CollectiveReportError.from_report(self._call, divergence)
 
+    @property
+    def decided_alike(self) -> int:
+        """Agreements every rank that must has noted, every note alike."""
+        return self._decisions.alike
+
     def note(self, rank: int, note: NoteDecision, /) -> None:
         """Compare `rank`'s noted decision with the other ranks' notes of its agreement.
 
