@@ -364,46 +364,69 @@ def test_equal_notes_are_no_divergence_and_are_dropped_once_every_rank_noted() -
     for step in range(3):
         table = f"dp.target.step{step}.table"
         for rank in range(4):
-            assert decisions.note(rank, note_of(world, rank, step=step, table=table)) is None
-    assert not decisions._notes  # every agreement complete: nothing held
+            decisions.note(rank, note_of(world, rank, step=step, table=table))
+            assert decisions.ready() is None
+    assert decisions.held() == (None, None)
+    assert decisions.alike == 3
+    assert not decisions._notes  # every agreement complete: nothing kept
 
 
 def test_a_pipeline_agreement_compares_only_its_own_pipeline() -> None:
     """Over PP_CPU each replica's stages reduce one table: replicas may decide apart."""
     world = Layout(pp=2, dp=2)
     decisions = Decisions(world)
-    assert decisions.note(0, note_of(world, 0, comm=Communicator.PP_CPU)) is None
-    assert decisions.note(1, note_of(world, 1, comm=Communicator.PP_CPU)) is None
-    other = note_of(world, 2, comm=Communicator.PP_CPU, tokens=8)
-    assert decisions.note(2, other) is None  # replica 1's pipeline: another table
-    found = decisions.note(3, note_of(world, 3, comm=Communicator.PP_CPU, mode="PIECEWISE"))
-    assert found is not None
-    report, group_noted = found
+    decisions.note(0, note_of(world, 0, comm=Communicator.PP_CPU))
+    decisions.note(1, note_of(world, 1, comm=Communicator.PP_CPU))
+    decisions.note(2, note_of(world, 2, comm=Communicator.PP_CPU, tokens=8))
+    assert decisions.ready() is None  # replica 1's pipeline: another table
+    decisions.note(3, note_of(world, 3, comm=Communicator.PP_CPU, mode="PIECEWISE"))
+    report = decisions.ready()
+    assert report is not None
     assert report.within_group
-    assert group_noted
     assert [d.ranks for d in report.decisions] == [(2,), (3,)]
     assert report.differing == ("cg_mode", "num_tokens_across_dp", "num_reqs")
+    assert decisions.alike == 1  # replica 0's pipeline
 
 
 def test_the_target_and_drafter_lanes_and_other_steps_are_never_compared() -> None:
     world = Layout(pp=1, dp=2)
     decisions = Decisions(world)
-    assert decisions.note(0, note_of(world, 0)) is None
+    decisions.note(0, note_of(world, 0))
     drafter = note_of(
         world, 1, tokens=8, comm=Communicator.DP_DRAFTER_CPU, table="dp.drafter.step0.table"
     )
-    assert decisions.note(1, drafter) is None
-    later = note_of(world, 1, tokens=8, step=1, table="dp.target.step1.table")
-    assert decisions.note(1, later) is None
+    decisions.note(1, drafter)
+    decisions.note(1, note_of(world, 1, tokens=8, step=1, table="dp.target.step1.table"))
+    assert decisions.ready() is None
+    assert decisions.held() == (None, None)
 
 
-def test_the_hub_raises_a_divergence_within_a_group_at_once() -> None:
-    world = Layout(pp=1, dp=2)
+def test_the_hub_raises_a_divergence_within_a_group_once_the_group_noted_it() -> None:
+    world = Layout(pp=1, dp=3)
     hub = CollectiveHub(world, call="check", move_data=False)
     hub.note(0, note_of(world, 0))
+    hub.note(1, note_of(world, 1, tokens=4))  # rank 2 has not noted: which side is odd?
     with pytest.raises(CollectiveReportError) as caught:
-        hub.note(1, note_of(world, 1, tokens=4))
+        hub.note(2, note_of(world, 2))
     assert str(caught.value).startswith("check: Decision divergence: step 0, target lane")
+    report = caught.value.report
+    assert isinstance(report, DecisionDivergenceReport)
+    assert [d.ranks for d in report.decisions] == [(0, 2), (1,)]
+
+
+def test_a_later_divergence_waits_for_an_earlier_agreement_still_incomplete() -> None:
+    """The first divergence by step is reported, whichever completes first."""
+    world = Layout(pp=1, dp=2)
+    hub = CollectiveHub(world, call="check", move_data=False)
+    later = "dp.target.step1.table"
+    hub.note(0, note_of(world, 0))  # step 0: rank 1 has not noted yet
+    hub.note(0, note_of(world, 0, step=1, table=later))
+    hub.note(1, note_of(world, 1, step=1, table=later, tokens=8))  # step 1 complete, apart
+    with pytest.raises(CollectiveReportError) as caught:
+        hub.note(1, note_of(world, 1, tokens=4))  # step 0 complete, apart too
+    report = caught.value.report
+    assert isinstance(report, DecisionDivergenceReport)
+    assert report.step == 0
 
 
 @settings(max_examples=60, deadline=None)

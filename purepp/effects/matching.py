@@ -951,49 +951,79 @@ class Decisions:
     reduced table's name. Who must decide alike: the ranks of one communicator instance
     (they reduced one table), and for an agreement over a DP lane every rank of the
     world (each stage's DP group reduces a table of its own, and the stages of a replica
-    are given one batch). Once an agreement has two decisions, every note of it returns
-    a `DecisionDivergenceReport` of all its notes so far.
+    are given one batch): the agreement's scope.
+
+    What is reported does not depend on the order the ranks are read in. A divergence
+    within a group is `ready` once every rank of its scope has noted it and no agreement
+    of an earlier step is still incomplete; `held` gives what is left when a run ends
+    or stops. Stages that decided apart from equal-looking groups are `held` only: when
+    their columns differed, the stages' divergence (`StageAgreements`) is the cause.
     """
 
     def __init__(self, world: Layout) -> None:
         self._world = world
-        # (scope, step, table) -> decision -> the ranks that noted it, and the first note
+        # (step, table, scope) -> decision -> the ranks that noted it, and the first note;
+        # until every rank of the scope has noted it
         self._notes: dict[
-            tuple[tuple[int, ...], int, str], dict[_Decided, tuple[list[int], NoteDecision]]
+            tuple[int, str, tuple[int, ...]], dict[_Decided, tuple[list[int], NoteDecision]]
         ] = {}
-        self.alike = 0  # agreements every rank that must has noted, all alike
+        # agreements noted with two decisions or more, complete or not, and their reports
+        self._diverged: dict[tuple[int, str, tuple[int, ...]], DecisionDivergenceReport] = {}
+        self.alike = 0  # agreements every rank of their scope noted, all alike
 
-    def note(self, rank: int, note: NoteDecision) -> tuple[DecisionDivergenceReport, bool] | None:
-        """Note `rank`'s decision. When its agreement has two decisions, the report, and
-        whether every rank of `rank`'s group has noted it (the report then shows them all).
-        """
+    def note(self, rank: int, note: NoteDecision) -> None:
+        """Note `rank`'s decision for its agreement."""
         world = self._world
         scope = (
             tuple(range(world.world_size))
             if note.comm in _PER_STAGE
             else comm_group(world, rank, note.comm)
         )
-        key = (scope, note.step, str(note.table))
+        key = (note.step, str(note.table), scope)
         decided = _decided(note)
         seen = self._notes.get(key)
         if seen is None:
-            self._notes[key] = {decided: ([rank], note)}
+            seen = self._notes[key] = {decided: ([rank], note)}
             if len(self._notes) > _DECISION_WINDOW:
                 del self._notes[next(iter(self._notes))]
-            return None
-        same = seen.get(decided)
-        if same is None:
-            seen[decided] = ([rank], note)
         else:
-            same[0].append(rank)
+            same = seen.get(decided)
+            if same is None:
+                seen[decided] = ([rank], note)
+            else:
+                same[0].append(rank)
+        if len(seen) > 1:
+            self._diverged[key] = self._report(note, seen)  # every note so far
         if sum(len(ranks) for ranks, _ in seen.values()) == len(scope):
-            del self._notes[key]  # every member noted it
+            del self._notes[key]  # complete
             self.alike += len(seen) == 1
-        if len(seen) == 1:
+
+    def ready(self) -> DecisionDivergenceReport | None:
+        """The first divergence within a group that no rank is left to note, once no
+        agreement of an earlier step can still diverge; None until then."""
+        if not self._diverged:
             return None
-        noted = {r for ranks, _ in seen.values() for r in ranks}
-        group_noted = noted.issuperset(comm_group(world, rank, note.comm))
-        return self._report(note, seen), group_noted
+        complete = [
+            key
+            for key, report in self._diverged.items()
+            if report.within_group and key not in self._notes
+        ]
+        if not complete:
+            return None
+        first = min(complete)
+        if any(key[0] < first[0] for key in self._notes):
+            return None
+        return self._diverged.pop(first)
+
+    def held(self) -> tuple[DecisionDivergenceReport | None, DecisionDivergenceReport | None]:
+        """What a run that ends or stops leaves: the first divergence within a group, and
+        the first of stages only, by step (either None)."""
+        within = [key for key, report in self._diverged.items() if report.within_group]
+        stages = [key for key, report in self._diverged.items() if not report.within_group]
+        return (
+            self._diverged[min(within)] if within else None,
+            self._diverged[min(stages)] if stages else None,
+        )
 
     def _report(
         self, note: NoteDecision, seen: Mapping[_Decided, tuple[list[int], NoteDecision]]

@@ -35,7 +35,6 @@ from purepp.effects.matching import (
     CollectiveReportError,
     CollectiveSignature,
     CommInstance,
-    DecisionDivergenceReport,
     Decisions,
     StageAgreements,
     WaitEdge,
@@ -135,8 +134,6 @@ class CollectiveHub:
         # With one stage per replica there are no stages to compare.
         self._stages = StageAgreements(world) if world.pp > 1 else None
         self._decisions = Decisions(world)
-        # the first agreement whose stages decided differently (see `note`)
-        self._held_decision: DecisionDivergenceReport | None = None
 
     def post(self, posted: PostedCollective, /) -> None:
         """Match `posted` with its peers' posts of the same op, then compare an agreement's
@@ -154,22 +151,14 @@ class CollectiveHub:
         return self._decisions.alike
 
     def note(self, rank: int, note: NoteDecision, /) -> None:
-        """Compare `rank`'s noted decision with the other ranks' notes of its agreement.
-
-        Ranks of one group that decided differently are raised once every rank of the
-        group has noted it, so the report shows which side most ranks took. Stages that
-        decided differently are held until the run ends or stops (`raise_held`): when
-        their columns differed, the stages' divergence is the cause, and it is reported
-        instead (it may itself be held for a stage behind)."""
-        found = self._decisions.note(rank, note)
-        if found is None:
-            return
-        divergence, group_noted = found
-        if divergence.within_group and group_noted:
+        """Compare `rank`'s noted decision with the other ranks' notes of its agreement:
+        ranks of one group that decided apart are raised once `Decisions` has the whole
+        agreement (`Decisions.ready`); stages that did are raised by `raise_held`."""
+        decisions = self._decisions
+        decisions.note(rank, note)
+        divergence = decisions.ready()
+        if divergence is not None:
             raise CollectiveReportError.from_report(self._call, divergence)
-        held = self._held_decision
-        if held is None or (held.step, held.table) == (divergence.step, divergence.table):
-            self._held_decision = divergence  # the first, with the notes since
 
     def run_completed(self, advancers: Sequence[Callable[[], object]]) -> None:
         """Call `advancers[rank]()` for every rank whose posts completed since the last
@@ -187,14 +176,14 @@ class CollectiveHub:
         them, else the stages' divergence held back for an agreement some stage never
         posted (`StageAgreements.held`), else the stages' decisions that differed
         (`note`): call it when the run ends or cannot go on."""
-        decision = self._held_decision
-        if decision is not None and decision.within_group:  # a cause of its own
-            raise CollectiveReportError.from_report(self._call, decision)
+        within, stages = self._decisions.held()
+        if within is not None:  # a cause of its own
+            raise CollectiveReportError.from_report(self._call, within)
         held = None if self._stages is None else self._stages.held
         if held is not None:
             raise CollectiveReportError.from_report(self._call, held)
-        if decision is not None:
-            raise CollectiveReportError.from_report(self._call, decision)
+        if stages is not None:
+            raise CollectiveReportError.from_report(self._call, stages)
 
     def _match(self, posted: PostedCollective) -> None:
         rank, effect = posted.rank, posted.effect

@@ -37,9 +37,10 @@ as every communicator:
   their columns are compared too: the first agreement (by step, then replica) to
   which they contributed different columns stops the run with a
   `StageDivergenceReport` (field failure 7), before any deadlock or overrun.
-- Each rank's noted decisions (`NoteDecision`) are compared as they are issued: the
-  first agreement some rank decided differently from another stops the run with a
-  `DecisionDivergenceReport` (field failures 17 and 7).
+- Each rank's noted decisions (`NoteDecision`) are compared: the first agreement (by
+  step) that ranks of one group decided differently stops the run with a
+  `DecisionDivergenceReport` once every rank has noted it (field failure 17); stages
+  that decided apart are reported when the run ends (field failure 7).
 
 All five reports are raised in a `CollectiveReportError` (a
 `CollectiveMismatchError`) whose message is the report's rendering. A received relay
