@@ -18,7 +18,7 @@ import pytest
 
 from purepp.effects.log import load_logs
 from purepp.effects.recorder import Recorder
-from purepp.effects.vocabulary import COLLECTIVES, Broadcast
+from purepp.effects.vocabulary import COLLECTIVES, Broadcast, NoteDecision
 from purepp.errors import ConfigError
 from purepp.runner.options import (
     MAX_TIMEOUT_S,
@@ -289,6 +289,7 @@ def test_the_trace_has_a_slice_per_effect_on_its_streams_track_numbered_like_the
     slices = [e for e in tracer.events if e["ph"] == "X"]
     assert len(slices) == len(log.records)
     comms = set()
+    notes = 0
     for event, record in zip(slices, log.records, strict=True):
         effect = record.effect
         assert (event["name"], event["pid"], event["cat"]) == (
@@ -315,12 +316,22 @@ def test_the_trace_has_a_slice_per_effect_on_its_streams_track_numbered_like_the
             )
         else:
             assert "shape" not in args
+        if isinstance(effect, NoteDecision):
+            notes += 1
+            assert (args["cg_mode"], args["num_ubatches"]) == (
+                effect.cg_mode,
+                effect.num_ubatches,
+            )
+            assert args["num_tokens_across_dp"] == effect.num_tokens_across_dp.tolist()
+        else:
+            assert "cg_mode" not in args
         start, length = event["ts"], event["dur"]
         assert isinstance(start, float)
         assert isinstance(length, float)
         assert before / 1000 <= start <= after / 1000  # microseconds, on the wall clock
         assert 0 < length < start  # a duration, not a point in time
     assert len(comms) > 1  # sequence numbers are each communicator's own
+    assert notes == 12  # each step's agreement, with what it decided
 
 
 # -- option bounds ---------------------------------------------------------------------

@@ -106,6 +106,12 @@ class Tracer:
                     "dtype": effect.dtype.value,
                     "src": effect.src,
                 }
+        elif isinstance(effect, NoteDecision):  # what the agreement decided, at a glance
+            args |= {
+                "cg_mode": effect.cg_mode,
+                "num_tokens_across_dp": effect.num_tokens_across_dp.tolist(),
+                "num_ubatches": effect.num_ubatches,
+            }
         return {
             "ph": "X",
             "name": type(effect).__name__,
