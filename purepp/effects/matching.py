@@ -943,6 +943,13 @@ class DecisionDivergenceReport:
         )
 
 
+# An agreement's identity: its step, its reduced table's name, and the ranks that must
+# decide it alike (ordered by step first: the earliest divergence is reported first).
+_DecisionKey: TypeAlias = tuple[int, str, tuple[int, ...]]
+# An agreement's notes so far: decision -> the ranks that noted it, and the first note.
+_Noted: TypeAlias = dict[_Decided, tuple[list[int], NoteDecision]]
+
+
 class Decisions:
     """Compares the decisions the ranks note for each agreement (`NoteDecision`).
 
@@ -956,29 +963,25 @@ class Decisions:
     What is reported does not depend on the order the ranks are read in. A divergence
     within a group is `ready` once every rank of its scope has noted it and no agreement
     of an earlier step is still incomplete; `held` gives what is left when a run ends
-    or stops. Stages that decided apart from equal-looking groups are `held` only: when
-    their columns differed, the stages' divergence (`StageAgreements`) is the cause.
+    or stops. Stages that decided apart from equal-looking groups are `held` only (the
+    first, by step): when their columns differed, the stages' divergence
+    (`StageAgreements`) is the cause.
     """
 
     def __init__(self, world: Layout) -> None:
         self._world = world
-        # (step, table, scope) -> decision -> the ranks that noted it, and the first note;
-        # until every rank of the scope has noted it
-        self._notes: dict[
-            tuple[int, str, tuple[int, ...]], dict[_Decided, tuple[list[int], NoteDecision]]
-        ] = {}
-        # agreements noted with two decisions or more, complete or not, and their reports
-        self._diverged: dict[tuple[int, str, tuple[int, ...]], DecisionDivergenceReport] = {}
+        self._notes: dict[_DecisionKey, _Noted] = {}  # until every rank of the scope noted
+        # For each incomplete agreement noted with two decisions: each group's decisions.
+        self._groups: dict[_DecisionKey, dict[tuple[int, ...], set[_Decided]]] = {}
+        self._within: dict[_DecisionKey, _Noted] = {}  # two decisions within one group
+        self._stages: tuple[_DecisionKey, _Noted] | None = None  # the first of stages only
+        self._group_of: dict[tuple[int, Communicator], tuple[int, ...]] = {}
         self.alike = 0  # agreements every rank of their scope noted, all alike
 
     def note(self, rank: int, note: NoteDecision) -> None:
         """Note `rank`'s decision for its agreement."""
-        world = self._world
-        scope = (
-            tuple(range(world.world_size))
-            if note.comm in _PER_STAGE
-            else comm_group(world, rank, note.comm)
-        )
+        world, comm = self._world, note.comm
+        scope = tuple(range(world.world_size)) if comm in _PER_STAGE else self._group(rank, comm)
         key = (note.step, str(note.table), scope)
         decided = _decided(note)
         seen = self._notes.get(key)
@@ -992,64 +995,78 @@ class Decisions:
                 seen[decided] = ([rank], note)
             else:
                 same[0].append(rank)
-        if len(seen) > 1:
-            self._diverged[key] = self._report(note, seen)  # every note so far
+            if len(seen) > 1:
+                self._diverged(key, seen, rank, decided, comm)
         if sum(len(ranks) for ranks, _ in seen.values()) == len(scope):
             del self._notes[key]  # complete
+            self._groups.pop(key, None)
             self.alike += len(seen) == 1
+
+    def _diverged(
+        self, key: _DecisionKey, seen: _Noted, rank: int, decided: _Decided, comm: Communicator
+    ) -> None:
+        """Keep `key`, noted with two decisions, as a divergence within a group or the first
+        of stages only; only the groups of its ranks are kept up to date, not a report."""
+        groups = self._groups.get(key)
+        if groups is None:  # it just diverged: every note so far
+            groups = self._groups[key] = {}
+            for value, (ranks, _) in seen.items():
+                for r in ranks:
+                    groups.setdefault(self._group(r, comm), set()).add(value)
+        else:
+            groups.setdefault(self._group(rank, comm), set()).add(decided)
+        if key in self._within:
+            return
+        if any(len(values) > 1 for values in groups.values()):
+            self._within[key] = seen
+        elif self._stages is None or key <= self._stages[0]:
+            self._stages = (key, seen)
+
+    def _group(self, rank: int, comm: Communicator) -> tuple[int, ...]:
+        group = self._group_of.get((rank, comm))
+        if group is None:
+            group = self._group_of[rank, comm] = comm_group(self._world, rank, comm)
+        return group
 
     def ready(self) -> DecisionDivergenceReport | None:
         """The first divergence within a group that no rank is left to note, once no
         agreement of an earlier step can still diverge; None until then."""
-        if not self._diverged:
+        if not self._within:
             return None
-        complete = [
-            key
-            for key, report in self._diverged.items()
-            if report.within_group and key not in self._notes
-        ]
+        complete = [key for key in self._within if key not in self._notes]
         if not complete:
             return None
         first = min(complete)
         if any(key[0] < first[0] for key in self._notes):
             return None
-        return self._diverged.pop(first)
+        return self._report(self._within.pop(first))
 
     def held(self) -> tuple[DecisionDivergenceReport | None, DecisionDivergenceReport | None]:
         """What a run that ends or stops leaves: the first divergence within a group, and
         the first of stages only, by step (either None)."""
-        within = [key for key, report in self._diverged.items() if report.within_group]
-        stages = [key for key, report in self._diverged.items() if not report.within_group]
-        return (
-            self._diverged[min(within)] if within else None,
-            self._diverged[min(stages)] if stages else None,
-        )
+        within = self._report(self._within[min(self._within)]) if self._within else None
+        stages = None if self._stages is None else self._report(self._stages[1])
+        if stages is not None and stages.within_group:  # became one since (held in `within`)
+            stages = None
+        return within, stages
 
-    def _report(
-        self, note: NoteDecision, seen: Mapping[_Decided, tuple[list[int], NoteDecision]]
-    ) -> DecisionDivergenceReport:
+    def _report(self, seen: _Noted) -> DecisionDivergenceReport:
         decisions = sorted(
             (RankDecision(ranks=tuple(sorted(r)), note=first) for r, first in seen.values()),
             key=lambda d: (-len(d.ranks), d.ranks),
         )
+        note = decisions[0].note
         values = list(seen)
         differing = tuple(
             name
             for i, name in enumerate(_DECIDED_FIELDS)
             if len({value[i] for value in values}) > 1
         )
-        group_of = {
-            rank: comm_group(self._world, rank, note.comm)
-            for decision in decisions
-            for rank in decision.ranks
-        }
-        within_group = any(
-            group_of[a] == group_of[b]
-            for i, one in enumerate(decisions)
-            for other in decisions[i + 1 :]
-            for a in one.ranks
-            for b in other.ranks
-        )
+        # Within a group: some group's ranks took two decisions.
+        groups: dict[tuple[int, ...], set[int]] = {}
+        for index, decision in enumerate(decisions):
+            for rank in decision.ranks:
+                groups.setdefault(self._group(rank, note.comm), set()).add(index)
         return DecisionDivergenceReport(
             step=note.step,
             op=note.op,
@@ -1058,7 +1075,7 @@ class Decisions:
             lane=_lane_of(note.table, note.comm),
             decisions=tuple(decisions),
             differing=differing,
-            within_group=within_group,
+            within_group=any(len(indices) > 1 for indices in groups.values()),
         )
 
 
