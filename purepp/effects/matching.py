@@ -832,9 +832,9 @@ def _lane_of(table: str, comm: Communicator) -> str:
 
 # -- the decisions the ranks noted ---------------------------------------------------------
 
-# Notes held per scope while some member has not noted that table yet. A member that
-# never does (it died) would hold the entry for ever; no driver lets a rank run this far
-# ahead of another, so the oldest is dropped.
+# Agreements held while some rank of their scope has not noted them. A rank that never
+# does (it died) would hold one for ever; no driver lets a rank run this far ahead of
+# another, so the oldest is dropped.
 _DECISION_WINDOW: Final = 1024
 
 # A decision's values, compared between ranks: everything but step, op, table and comm.
@@ -867,7 +867,7 @@ class RankDecision:
     """One decision some ranks noted for an agreement, and which ranks noted it."""
 
     ranks: tuple[int, ...]  # global ranks that noted it, ascending
-    note: NoteDecision  # the lowest of them's note
+    note: NoteDecision  # the first of their notes (the decision's fields are in each)
 
     def describe(self) -> str:
         """E.g. `cg_mode=FULL, num_ubatches=1, num_tokens_across_dp=[8, 8], ...`."""
@@ -901,8 +901,9 @@ class DecisionDivergenceReport:
     lane: str  # the agreement lane: "target" or "drafter" (from the table's name)
     decisions: tuple[RankDecision, ...]  # each decision noted, most ranks first
     differing: tuple[str, ...]  # the fields the decisions differ in
-    # two ranks of one communicator instance noted different decisions: the all-reduce
-    # itself gave them different tables (else only separate groups, stages, differ)
+    # two ranks of one communicator instance noted different decisions: they were handed
+    # different sums, or decide with different dispatchers or dead ranks (else only
+    # separate groups, the stages of a replica, differ)
     within_group: bool
 
     def render(self) -> str:
