@@ -215,6 +215,29 @@ def test_ff17_purepp_check_names_the_rank_that_decided_otherwise(tmp_path: Path)
     assert caught.value.report == report  # the checker and the simulator say the same
 
 
+def test_a_divergence_held_for_a_rank_whose_log_ends_comes_with_what_each_waits_on(
+    tmp_path: Path,
+) -> None:
+    """Rank 2's log ends before it noted the corrupt step: ranks 0 and 1 decided apart
+    and then wait for it at the next all-reduce. The report names the divergence first,
+    then what every rank was waiting on."""
+    dump_logs(recorded_logs({(1, CORRUPT_STEP)}), tmp_path)
+    path = tmp_path / log_file_name(2)
+    lines = path.read_text().splitlines(keepends=True)
+    # the header, three records a step, and the corrupt step's all-reduce
+    path.write_text("".join(lines[: 1 + 3 * CORRUPT_STEP + 1]))
+    checked = check_logs(tmp_path)
+    assert checked.exit_code == 1
+    report = checked.finding
+    assert isinstance(report, DecisionDivergenceReport)
+    assert (report.step, report.within_group) == (CORRUPT_STEP, True)
+    assert [d.ranks for d in report.decisions] == [(0,), (1,)]
+    text = checked.text
+    assert report.render() in text
+    assert text.index(report.render()) < text.index("What every rank was waiting on:")
+    assert f"all_reduce [5, 3] int32 (step {CORRUPT_STEP + 1}, agree)" in text
+
+
 # ---- real processes over gloo -----------------------------------------------------------------
 
 

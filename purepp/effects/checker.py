@@ -346,7 +346,10 @@ class _Check:
                 for rank in self._ranks:
                     progressed |= self._advance(rank)
                 if not progressed:
-                    self._hub.raise_held()  # a stage divergence found earlier comes first
+                    try:  # a divergence found earlier comes first, with what each waits on
+                        self._hub.raise_held()
+                    except CollectiveReportError as error:
+                        return self._finding(error.report, self._deadlock())
                     return self._stuck()
             self._hub.raise_held()
         except CollectiveReportError as error:
