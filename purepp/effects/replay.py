@@ -40,7 +40,7 @@ from purepp.effects.vocabulary import (
     TensorSpec,
     Unpack,
 )
-from purepp.errors import InvalidInputError, PureppError
+from purepp.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from purepp.effects.torch_interpreter import TorchInterpreter
@@ -92,8 +92,7 @@ def replay(
                 raise
         try:
             interpreter.perform(tuple(record.effect for record in records))
-        except PureppError as error:
-            # The interpreter names its own call; say where in the log it was.
+        except Exception as error:  # its type kept; where in the log it was, noted
             error.add_note(f"in replay: {_where(log, step, records)}")
             raise
 
@@ -495,8 +494,9 @@ class PlaceholderInputs:
     Made by `placeholder_inputs(log)`. An input of a step is a buffer its records read
     before the log's own effects bind it (the relay's `RelayConfig.inputs`); its shape
     and dtype are what the records that read it require, following aliases to later
-    steps. Before every step it binds fresh zeros to each input that is unbound or
-    holds a placeholder it bound itself; a name the caller bound is left alone.
+    steps. Before every run of a step's records it binds fresh zeros to each input that
+    run reads and is unbound or holds a placeholder it bound itself; a name the caller
+    bound is left alone.
     """
 
     def __init__(
@@ -511,23 +511,29 @@ class PlaceholderInputs:
         self._into = into
         analysis = _Analysis(log)
         terms = analysis.terms
-        needs: dict[int, dict[BufferRef, TensorSpec | str]] = {}
+        # Each step's runs (a step's records split in two, as by an overlapped agreement,
+        # are two runs, with a `before_step` call each), and the inputs each run reads.
+        runs: dict[int, list[dict[BufferRef, TensorSpec | str]]] = {}
         for batch in analysis.batches:
-            step = needs.setdefault(batch.step, {})
+            run: dict[BufferRef, TensorSpec | str] = {}
             for name, tensor in batch.inputs.items():
                 spec = terms.resolve(tensor)
-                need: TensorSpec | str = spec if isinstance(spec, TensorSpec) else "; ".join(spec)
-                if step.setdefault(name, need) != need:  # two runs of one step disagree
-                    step[name] = f"two batches of step {batch.step} need {step[name]} and {need}"
-        self._needs = needs
+                run[name] = spec if isinstance(spec, TensorSpec) else "; ".join(spec)
+            runs.setdefault(batch.step, []).append(run)
+        self._runs = runs
+        self._calls: dict[int, int] = {}  # `before_step` calls so far, by step
         self._rank = log.header.rank
         self._bound: dict[BufferRef, object] = {}  # the placeholder last bound to each name
 
     def specs(self, step: int) -> dict[BufferRef, TensorSpec]:
-        """The inputs of `step` and their layouts; `InputShapeError` if the log lacks one."""
-        return {
-            name: self._spec(step, name, need) for name, need in self._needs.get(step, {}).items()
-        }
+        """The inputs of `step` and their layouts; `InputShapeError` if the log lacks one
+        (or its runs need two)."""
+        needs: dict[BufferRef, TensorSpec | str] = {}
+        for run in self._runs.get(step, ()):
+            for name, need in run.items():
+                if needs.setdefault(name, need) != need:  # two runs of one step disagree
+                    needs[name] = f"two batches of step {step} need {needs[name]} and {need}"
+        return {name: self._spec(step, name, need) for name, need in needs.items()}
 
     def _spec(self, step: int, name: BufferRef, need: TensorSpec | str) -> TensorSpec:
         if isinstance(need, TensorSpec):
@@ -543,8 +549,14 @@ class PlaceholderInputs:
 
     def __call__(self, step: int, interpreter: Interpreter) -> None:
         target = _target(interpreter if self._into is None else self._into)
+        runs = self._runs.get(step)
+        if not runs:
+            return
+        # The k-th call for a step comes before its k-th run (modulo: a replay again).
+        calls = self._calls.get(step, 0)
+        self._calls[step] = calls + 1
         bound = target.bound_refs()
-        for name, need in self._needs.get(step, {}).items():
+        for name, need in runs[calls % len(runs)].items():
             if name in bound and target.tensor(name) is not self._bound.get(name):
                 continue  # the caller's own
             spec = self._spec(step, name, need)
