@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import shlex
+import signal
 import sys
 import uuid
 from collections.abc import Sequence
@@ -80,18 +82,21 @@ def _run(args: argparse.Namespace) -> int:
         print(f"purepp run: {error}", file=sys.stderr)
         return Exit.RANK_FAILED
     except Interrupted as stop:
+        _stop_taking_interrupts(args)
         print(
             f"\npurepp run: interrupted by {stop}; every rank and the reference were stopped",
             file=sys.stderr,
         )
         return interrupted(stop.signum)
-    except KeyboardInterrupt:  # Ctrl-C before the run's own handler was in place
+    except KeyboardInterrupt:  # Ctrl-C before the run's own handler was in place, or after
+        _stop_taking_interrupts(args)
         print("\npurepp run: interrupted; nothing was left running", file=sys.stderr)
-        return interrupted(2)
+        return interrupted(signal.SIGINT)
     print(summary.render())
     print(f"  run id           {run_id}")
     if args.log_dir is not None:
-        print(f"  effect logs      {args.log_dir} (check them with: purepp check {args.log_dir})")
+        command = f"purepp check {shlex.quote(args.log_dir)}"
+        print(f"  effect logs      {args.log_dir} (check them with: {command})")
     if args.trace is not None:
         print(f"  trace            {args.trace} (open it in the Perfetto UI)")
     return Exit.OK if summary.verdict.ok else Exit.FAILED
@@ -99,10 +104,16 @@ def _run(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     folder = Path(args.log_dir)
-    if not args.log_dir.strip() or not folder.is_dir():
-        what = "is not a folder" if folder.exists() else "does not exist"
+    try:
         if not args.log_dir.strip():
             what = "is empty"
+        elif folder.is_dir():
+            what = ""
+        else:
+            what = "is not a folder" if folder.exists() else "does not exist"
+    except (OSError, ValueError) as error:  # a name too long, a NUL in it
+        what = f"cannot be read ({getattr(error, 'strerror', None) or error})"
+    if what:
         raise UsageError(
             "purepp check",
             f"{args.log_dir!r} {what}",
@@ -138,11 +149,23 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the description's lines (the exit-code table) as written."""
 
 
+def _stop_taking_interrupts(args: argparse.Namespace) -> None:
+    """The program is ending on an interrupt: a further Ctrl-C (a key held down) must not
+    kill it before it has said why and exited 130. Not when main is called in-process."""
+    if args.program:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """The `purepp` command; returns its exit code."""
+    """The `purepp` command (`argv` None: the program's own arguments); its exit code."""
     try:
         args = _parser().parse_args(argv)
-        code: int = args.handler(args)
+        args.program = argv is None
+        try:
+            code: int = args.handler(args)
+        except KeyboardInterrupt:  # a second Ctrl-C while the first was being reported
+            _stop_taking_interrupts(args)
+            return interrupted(signal.SIGINT)
     except UsageError as error:
         print(error, file=sys.stderr)
         return Exit.USAGE

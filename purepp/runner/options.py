@@ -9,6 +9,7 @@ too instead of argparse's usage block. No torch here.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import shlex
@@ -17,6 +18,7 @@ from typing import NoReturn
 
 import attrs
 
+from purepp._checks import INT32_MAX
 from purepp.errors import ConfigError
 from purepp.relay import Wire
 from purepp.runner.settings import (
@@ -27,6 +29,7 @@ from purepp.runner.settings import (
     MIN_TIMEOUT_S,
     RunSettings,
 )
+from purepp.runner.trace import partial_trace
 
 __all__ = [
     "CLI",
@@ -269,6 +272,14 @@ def settings_from_args(
         "max_num_batched_tokens": whole("max_num_batched_tokens", "tokens"),
         "chunk_size": whole("chunk_size", "tokens"),
     }
+    row = 1 + counts["spec"]
+    if counts["max_num_batched_tokens"] < row:
+        raise spelling.refuse(
+            "max_num_batched_tokens",
+            raw["max_num_batched_tokens"],
+            f"is below a decode row of 1 + {spelling.given('spec', counts['spec'])} tokens",
+            f"use a budget of {row} tokens or more (or fewer speculative steps)",
+        )
     try:
         return RunSettings(
             **counts,
@@ -280,37 +291,46 @@ def settings_from_args(
             interpreter=str(interpreter),
             capture_sizes=_capture_sizes(spelling, raw["capture_sizes"]),
         )
-    except ConfigError as error:  # what only the settings see together (capture sizes)
+    except ConfigError as error:  # any check the options above do not make themselves
         raise UsageError(spelling.call, error.problem, error.fix) from None
 
 
 def _capture_sizes(spelling: Spelling, value: object) -> tuple[int, ...]:
-    """`--capture-sizes 1,2,4` (or launch's tuple) as a tuple of ints; the dispatcher
-    checks their order and range when the settings are built."""
+    """`--capture-sizes 1,2,4` (or launch's tuple) as a tuple of strictly increasing
+    token counts in 1..INT32_MAX, refused as given."""
     fix = f"pass increasing token counts, e.g. {spelling.given('capture_sizes', '1,2,4,8')}"
     if isinstance(value, tuple):
-        return value
-    try:
-        return tuple(int(size) for size in str(value).split(","))
-    except ValueError:
-        raise spelling.refuse(
-            "capture_sizes", value, "is not a list of whole numbers", fix
-        ) from None
+        sizes: tuple[object, ...] = value
+    else:
+        try:
+            sizes = tuple(int(size) for size in str(value).split(","))
+        except ValueError:
+            raise spelling.refuse(
+                "capture_sizes", value, "is not a list of whole numbers", fix
+            ) from None
+    ints = [size for size in sizes if type(size) is int and 1 <= size <= INT32_MAX]
+    if len(ints) != len(sizes) or any(a >= b for a, b in itertools.pairwise(ints)):
+        problem = f"is not strictly increasing token counts in 1..{INT32_MAX}"
+        raise spelling.refuse("capture_sizes", value, problem, fix)
+    return tuple(ints)
 
 
-def _probe_folder(setting: str, value: str, folder: Path, fix: str, spelling: Spelling) -> None:
-    """Create `folder` if needed and write a file in it; refuse with the OS's reason."""
-    for above in (folder, *folder.parents):
-        if above.exists():
-            if not above.is_dir():
-                problem = f"cannot be written: {above} is a file, not a folder"
-                raise spelling.refuse(setting, value, problem, fix)
-            break
+def _probe_folder(
+    setting: str, value: str, folder: Path, fix: str, spelling: Spelling, *, probe: str = ""
+) -> None:
+    """Create `folder` if needed and write a file in it (named `probe`, or one of its own);
+    refuse with the OS's reason."""
     try:
+        for above in (folder, *folder.parents):
+            if above.exists():
+                if not above.is_dir():
+                    problem = f"cannot be written: {above} is a file, not a folder"
+                    raise spelling.refuse(setting, value, problem, fix)
+                break
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".purepp-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        written = folder / (probe or f".purepp-write-test-{os.getpid()}")
+        written.write_bytes(b"")
+        written.unlink()
     except OSError as error:
         problem = f"is not writable ({error.strerror or error})"
         raise spelling.refuse(setting, value, problem, fix) from error
@@ -334,11 +354,16 @@ def check_trace(value: str, *, spelling: Spelling = CLI) -> Path:
     if not value.strip():
         raise spelling.refuse("trace", value, "is empty", fix)
     path = Path(value)
-    if value.endswith(os.sep) or path.is_dir():
-        raise spelling.refuse("trace", value, "is a folder, but a trace is one file", fix)
-    if path.exists() and not path.is_file():
-        raise spelling.refuse("trace", value, "is not a regular file", fix)
-    _probe_folder("trace", value, path.parent, fix, spelling)
+    try:
+        if value.endswith(os.sep) or path.is_dir():
+            raise spelling.refuse("trace", value, "is a folder, but a trace is one file", fix)
+        if path.exists() and not path.is_file():
+            raise spelling.refuse("trace", value, "is not a regular file", fix)
+    except OSError as error:  # a name too long for the file system, say
+        problem = f"cannot be written ({error.strerror or error})"
+        raise spelling.refuse("trace", value, problem, fix) from error
+    # Probed under the name the trace is first written as: it is longer than the trace's.
+    _probe_folder("trace", value, path.parent, fix, spelling, probe=partial_trace(path).name)
     if path.exists() and not os.access(path, os.W_OK):
         raise spelling.refuse("trace", value, "is not writable", fix)
     return path

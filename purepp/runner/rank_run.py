@@ -27,7 +27,7 @@ from purepp.layout import Layout
 from purepp.runner.loop import RankLoop
 from purepp.runner.results import RankResult, write_results
 from purepp.runner.settings import RunSettings
-from purepp.runner.trace import TraceEvent, Tracer
+from purepp.runner.trace import TraceEvent, Tracer, partial_trace
 from purepp.runner.workload import make_workload
 
 __all__ = ["run_rank"]
@@ -134,7 +134,7 @@ def _write_outputs(
         write_results(Path(out_dir) / "results.json", results)
     if trace_path is not None:
         path = Path(trace_path)
-        partial = path.with_name(path.name + ".partial")
+        partial = partial_trace(path)
         partial.write_text(
             json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}), encoding="utf-8"
         )

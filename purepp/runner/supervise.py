@@ -686,12 +686,24 @@ def _path_text(name: str, value: str | os.PathLike[str] | None) -> str | None:
     return text
 
 
-def _inside(path: str, folder: str) -> bool:
-    """Whether `path` names a file directly in `folder` (links and `..` resolved)."""
+def _trace_clash(trace: str, log_dir: str, spelling: Spelling) -> str | None:
+    """Why the trace cannot go where it is asked to, beside the log folder (links and `..`
+    resolved); None when it can."""
     try:
-        return Path(path).resolve().parent == Path(folder).resolve()
+        path, folder = Path(trace).resolve(), Path(log_dir).resolve()
     except (OSError, RuntimeError):  # a link loop: check_trace names it
-        return False
+        return None
+    given = spelling.given("log_dir", log_dir)
+    if path.parent == folder:
+        return (
+            f"is inside {given}, which holds the run's logs only "
+            "(purepp check reads every *.jsonl there)"
+        )
+    if path == folder or path in folder.parents:
+        return (
+            f"is {given} or a folder above it, which the run makes a folder (a trace is one file)"
+        )
+    return None
 
 
 def launch(
@@ -726,14 +738,10 @@ def launch(
         raise spelling.refuse("run_id", run_id, "is not a run id", fix)
     log_dir, trace = _path_text("log_dir", log_dir), _path_text("trace", trace)
     _check_devices(settings, spelling)
-    if log_dir is not None and trace is not None and _inside(trace, log_dir):
-        raise spelling.refuse(
-            "trace",
-            trace,
-            f"is inside {spelling.given('log_dir', log_dir)}, which holds the run's logs only "
-            "(purepp check reads every *.jsonl there)",
-            f"write the trace outside {log_dir}",
-        )
+    clash = None if log_dir is None or trace is None else _trace_clash(trace, log_dir, spelling)
+    if clash is not None:
+        fix = f"write the trace to a file beside {log_dir}, not in it or above it"
+        raise spelling.refuse("trace", trace, clash, fix)
     # The trace first: a run refused for it has made no log folder yet.
     if trace is not None:
         check_trace(trace, spelling=spelling)

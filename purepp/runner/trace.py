@@ -9,6 +9,7 @@ slices time the work itself; on CUDA they time its issue from the host.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import assert_never
 
 from purepp.effects.interpreter import Interpreter
@@ -38,7 +39,7 @@ from purepp.effects.vocabulary import (
     WaitWork,
 )
 
-__all__ = ["TraceEvent", "Tracer"]
+__all__ = ["TraceEvent", "Tracer", "partial_trace"]
 
 TraceEvent = dict[str, object]
 
@@ -70,6 +71,12 @@ def _track(effect: Effect) -> str:
             return "host"
         case _:
             assert_never(effect)
+
+
+def partial_trace(path: Path) -> Path:
+    """Where a trace is written before it is renamed into place, so that a run stopped
+    while writing leaves no half trace under the trace's own name."""
+    return path.with_name(path.name + ".partial")
 
 
 class Tracer:
