@@ -384,3 +384,14 @@ def test_nccl_without_cuda_is_refused_before_start(capsys: pytest.CaptureFixture
     assert str(refused.value) == (
         "launch: backend='nccl' needs CUDA, and none is available. Fix: use backend='gloo'"
     )
+
+
+def test_version_prints_the_installed_version_and_exits_0(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"purepp {version('purepp')}\n"

@@ -135,6 +135,8 @@ def _check(args: argparse.Namespace) -> int:
 
 def _parser() -> OptionParser:
     parser = OptionParser(prog="purepp", description=__doc__, formatter_class=_Formatter)
+    # The installed distribution's version (pyproject.toml's), read only when asked.
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the version and exit")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OptionParser)
     run = commands.add_parser("run", help="run a PP x DP decode loop, checked against PP=1")
     add_run_options(run)
@@ -143,6 +145,19 @@ def _parser() -> OptionParser:
     check.add_argument("log_dir", help="a folder of per-rank logs (purepp run --log-dir)")
     check.set_defaults(handler=_check)
     return parser
+
+
+class _Version(argparse.Action):
+    """`purepp --version`: the installed distribution's version."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            text = version("purepp")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            text = "(not installed)"
+        parser.exit(message=f"purepp {text}\n")
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
