@@ -157,7 +157,8 @@ class _Version(argparse.Action):
             text = version("purepp")
         except PackageNotFoundError:  # run from a checkout that was never installed
             text = "(not installed)"
-        parser.exit(message=f"purepp {text}\n")
+        print(f"purepp {text}")
+        parser.exit()
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
