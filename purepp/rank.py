@@ -534,7 +534,7 @@ def agree(
     _expect_io("agree", io)
     _expect_steps("agree", steps)
     _check_not_started("agree", begun)
-    begun = _freed(config, begun, freed, steps)
+    begun = _freed("agree", config, begun, freed, steps)
     begun = yield from _started(config, begun, batch, shape, asynchronous=False, steps=steps)
     return (yield from _settled(config, begun, io, steps))
 
@@ -683,20 +683,24 @@ def settle(
             f"{pending.lane.value} lane, not its agreement's step {pending.step}",
             "pass the Begun the phase that started the agreement returned",
         )
-    begun = _freed(config, begun, freed, steps)
+    begun = _freed("settle", config, begun, freed, steps)
     return (yield from _settled(config, begun, io, steps))
 
 
 def _freed(
+    call: str,
     config: RankConfig,
     begun: Begun,
     freed: SlotsLike,
     steps: RankSteps,
 ) -> Begun:
-    """`begun` with `freed` slots freed in its relay."""
+    """`begun` with `freed` slots freed in its relay; a bad slot is refused as `call`'s."""
     if type(freed) is tuple and not freed:  # the default, and most steps: nothing to free
         return begun
-    relay = steps.free(config.relay, begun.relay, freed).state
+    try:
+        relay = steps.free(config.relay, begun.relay, freed).state
+    except InvalidInputError as error:  # the phase the caller called, not the relay step
+        raise InvalidInputError(call, f"freed: {error.problem}", error.fix) from error
     return _Begun(relay=relay, lanes=begun.lanes, consumed=begun.consumed, agreeing=begun.agreeing)
 
 
