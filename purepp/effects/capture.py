@@ -448,8 +448,8 @@ def _capture(interp: TorchInterpreter, capturable: _Capturable, names: list[Name
             views.append(q)
     static = _static_outputs(interp)
     for p in (*capturable.made, *views):
-        tensor = slots[p]
-        static[id(tensor)] = weakref.ref(tensor)
+        # No local holds an output past this line: the baselines below count references.
+        static[id(slots[p])] = weakref.ref(slots[p])
     # Baselines: what holds each output now (the slots dict, views made while capturing).
     # The static views are bound to names themselves, so their own references tell too
     # (their storage is their source's, whose use count covers every view of it).

@@ -288,6 +288,23 @@ def _uses(effect: Effect) -> tuple[tuple[Name, int], ...]:
             typing.assert_never(effect)
 
 
+def _waited_first(effects: tuple[Effect, ...], names: list[Name]) -> dict[int, tuple[int, ...]]:
+    """For each position, the work positions whose WaitWork comes before its first use
+    (only positions with some; empty when the batch waits on no work)."""
+    if not any(type(effect) is WaitWork for effect in effects):
+        return {}
+    at = {name: position for position, name in enumerate(names)}
+    first: dict[int, int] = {}
+    waits: list[tuple[int, int]] = []  # (effect index, work position)
+    for index, effect in enumerate(effects):
+        for name, _ in _uses(effect):
+            first.setdefault(at[name], index)
+        if type(effect) is WaitWork:
+            waits.append((index, at[effect.work]))
+    waited = {p: tuple(w for i, w in waits if i < used) for p, used in first.items()}
+    return {p: works for p, works in waited.items() if works}
+
+
 def roles(effects: tuple[Effect, ...], names: list[Name]) -> list[int]:
     """Each position's role: how its name is first used in the batch."""
     found: dict[Name, int] = {}
@@ -316,18 +333,22 @@ class Plan:
         inputs: dict[int, Layout],
         handlers: list[Callable[[Any], None]],
         *,
-        checked: bool,
+        contiguity: bool,
     ) -> None:
         self.effects = effects  # the batch it was lowered from (capture reads its layout)
         self.names = names  # that batch's names by position
         self.roles = positions  # each position's role
         self.inputs = inputs  # the layouts of the READ positions
         self.handlers = handlers  # one per effect: the interpreter's, without validation
-        # The guards, by role. Contiguity is guarded only where `checked` checks it.
+        # The guards, by role. Contiguity is guarded where it matters (`contiguity`): checked
+        # mode checks it, and a graph reads a contiguous copy where eager may refuse a view.
         self._reads = [
-            (p, shape, dtype, contiguous if checked else None)
+            (p, shape, dtype, contiguous if contiguity else None)
             for p, (shape, dtype, contiguous) in sorted(inputs.items())
         ]
+        # Each READ position's works that the batch waits on before its first use: such a
+        # table may still be in flight when the batch starts (it waits, then reads).
+        self._waited_first = _waited_first(effects, names)
         by_role: dict[int, list[int]] = {role: [] for role in range(6)}
         for p, role in enumerate(positions):
             by_role[role].append(p)
@@ -357,8 +378,11 @@ class Plan:
                 return False
         if pending:  # rare: tables of an all-reduce in flight
             for position, _, _, _ in self._reads:
-                if names[position] in pending:
-                    return False
+                work = pending.get(typing.cast(BufferRef, names[position]))
+                if work is not None and all(
+                    names[w] != work for w in self._waited_first.get(position, ())
+                ):
+                    return False  # read before its work is waited on: eager's error
             for position in self._makes:
                 if names[position] in pending:
                     return False
@@ -545,7 +569,8 @@ class Planner:
         self.eager += 1
         interp.perform_eager(effects)
         handlers = [interp.handler(e) for e in effects]
-        plan = Plan(effects, names, positions, inputs, handlers, checked=interp.checked)
+        contiguity = interp.checked or self._capture
+        plan = Plan(effects, names, positions, inputs, handlers, contiguity=contiguity)
         plan.identities = identities
         variants.append(plan)
         self.lowered += 1
