@@ -630,3 +630,33 @@ def test_a_replay_reads_an_input_that_shares_memory_with_one_it_wrote(
         return seen
 
     _replays_as_eager(monkeypatch, step)
+
+
+def test_a_scatter_refused_for_its_index_leaves_the_numpy_stream_going_as_torch_does(
+    groups: dict[Communicator, dist.ProcessGroup],
+) -> None:
+    """Found on the H200 host by the property above: the numpy reference checks a scatter's
+    rows when its kernel runs, and a refused kernel stayed at the head of the main
+    stream, so every later effect was refused as "the host is still waiting"; checked
+    torch refuses it before it runs and goes on. Both now go on alike."""
+    a, c, d = BufferRef("a"), BufferRef("c"), BufferRef("d")
+    bindings = [(c, np.array([1, 0, 1], dtype=np.int32))]
+    batch: list[Effect] = [
+        _allocate(a, (2,), DType.INT64, Stream.MAIN),
+        _unpack(a, [d], DType.INT32),
+        _scatter(c, c, d, Stream.MAIN, False),  # row 1 of a 1-row target
+    ]
+    program: list[list[Effect]] = [
+        batch,
+        [Release(**TAG, buffer=a)],
+        [_allocate(a, (2,), DType.INT64, Stream.MAIN)],
+    ]
+    with _zeroed_empty_strided():
+        numpy = _run(_make("numpy", groups), bindings, program)
+        checked = _run(_make("checked", groups), bindings, program)
+    assert [outcome for outcome, _ in numpy] == [
+        "InterpreterError at (ScatterRows step=1 op=consume)",
+        "performed",
+        "performed",
+    ]
+    assert numpy == checked

@@ -87,7 +87,13 @@ from purepp.effects.vocabulary import (
     WorkRef,
     effect_batch,
 )
-from purepp.errors import ConfigError, HeaderMismatchError, InterpreterError, InvalidInputError
+from purepp.errors import (
+    ConfigError,
+    HeaderMismatchError,
+    InterpreterError,
+    InvalidInputError,
+    PureppError,
+)
 
 __all__ = [
     "POISON",
@@ -465,13 +471,26 @@ class NumpyInterpreter:
         while moved:
             moved = False
             for stream, lane in self._lanes.items():
-                while lane.queue and self._try_run(lane.queue[0]):
-                    done = lane.queue.popleft()
-                    for buffer in done.touches:
-                        buffer.memory.pending[stream] -= 1
-                    lane.ran += 1
+                while lane.queue:
+                    try:
+                        if not self._try_run(lane.queue[0]):
+                            break
+                    except PureppError:
+                        # A kernel that refused its data (an index out of range) is done,
+                        # having written nothing: the stream goes on, as checked torch's
+                        # refusal before the kernel leaves it.
+                        self._done(stream, lane)
+                        raise
+                    self._done(stream, lane)
                     moved = progressed = True
         return progressed
+
+    def _done(self, stream: Stream, lane: _Lane) -> None:
+        """The head of `stream`'s queue has run: pop it and release what it touched."""
+        done = lane.queue.popleft()
+        for buffer in done.touches:
+            buffer.memory.pending[stream] -= 1
+        lane.ran += 1
 
     def stalls(self) -> tuple[Stall, ...]:
         """Each stream whose head cannot run yet, with the collective it waits for."""
