@@ -399,3 +399,13 @@ def test_version_prints_the_installed_version_and_exits_0(
         main(["--version"])
     assert exited.value.code == 0
     assert capsys.readouterr().out == f"purepp {installed}\n"
+
+
+def test_launch_takes_numpy_capture_sizes_and_names_a_bad_one_as_its_keyword() -> None:
+    import numpy as np
+
+    from purepp.runner.options import _capture_sizes
+
+    assert _capture_sizes(LAUNCH, (np.int64(1), 2, np.int32(4))) == (1, 2, 4)
+    with pytest.raises(UsageError, match=r"^launch: capture_sizes=\(True, 2\) is not strictly"):
+        _capture_sizes(LAUNCH, (True, 2))

@@ -18,7 +18,7 @@ from typing import NoReturn
 
 import attrs
 
-from purepp._checks import INT32_MAX
+from purepp._checks import INT32_MAX, as_int
 from purepp.errors import ConfigError
 from purepp.relay import Wire
 from purepp.runner.settings import (
@@ -298,7 +298,8 @@ def settings_from_args(
 def _capture_sizes(spelling: Spelling, value: object) -> tuple[int, ...]:
     """`--capture-sizes 1,2,4` (or launch's tuple) as a tuple of strictly increasing
     token counts in 1..INT32_MAX, refused as given."""
-    fix = f"pass increasing token counts, e.g. {spelling.given('capture_sizes', '1,2,4,8')}"
+    example = "1,2,4,8" if spelling.flags else (1, 2, 4, 8)
+    fix = f"pass increasing token counts, e.g. {spelling.given('capture_sizes', example)}"
     if isinstance(value, tuple):
         sizes: tuple[object, ...] = value
     else:
@@ -308,7 +309,7 @@ def _capture_sizes(spelling: Spelling, value: object) -> tuple[int, ...]:
             raise spelling.refuse(
                 "capture_sizes", value, "is not a list of whole numbers", fix
             ) from None
-    ints = [size for size in sizes if type(size) is int and 1 <= size <= INT32_MAX]
+    ints = [size for size in map(as_int, sizes) if size is not None and 1 <= size <= INT32_MAX]
     if len(ints) != len(sizes) or any(a >= b for a, b in itertools.pairwise(ints)):
         problem = f"is not strictly increasing token counts in 1..{INT32_MAX}"
         raise spelling.refuse("capture_sizes", value, problem, fix)
