@@ -623,7 +623,10 @@ class _Check:
                 )
             )
             edges += [WaitEdge(rank=rank.rank, via=None, seq=None, peer=p) for p in held_back_by]
-        finished = tuple(r.rank for r in self._ranks if r.peek() is None)
+        # A log that ends in the collective its host waits on ended in a hang, not a finish.
+        finished = tuple(
+            r.rank for r in self._ranks if r.peek() is None and not r.lanes.host_blocked()
+        )
         return DeadlockReport(
             waiters=tuple(waiters),
             pending=self._hub.incomplete(),

@@ -76,6 +76,7 @@ __all__ = [
     "comm_instance",
     "find_wait_cycle",
     "match_collectives",
+    "mismatch_order",
     "signature_of",
 ]
 
@@ -1129,6 +1130,7 @@ def check_posts(
                 received=None,
                 differing=(MismatchField.SRC,),
                 missing=(),
+                culprit=rank,  # its source is in no member's group: no side to count
             )
     senders = [r for r in members if posts[r].src == r]
     reference = senders[0] if senders else members[0] if members else None
@@ -1224,4 +1226,9 @@ def match_collectives(
     ]
     if not problems:
         return None
-    return min(problems, key=lambda p: (p.step, _COMM_ORDER[p.comm], p.group, p.seq))
+    return min(problems, key=mismatch_order)
+
+
+def mismatch_order(report: MismatchReport) -> tuple[int, int, tuple[int, ...], int]:
+    """Which mismatch is reported first: the lowest step, then communicator, group, op."""
+    return (report.step, _COMM_ORDER[report.comm], report.group, report.seq)

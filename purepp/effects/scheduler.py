@@ -36,10 +36,12 @@ from purepp.effects.matching import (
     CollectiveSignature,
     CommInstance,
     Decisions,
+    MismatchReport,
     StageAgreements,
     WaitEdge,
     check_posts,
     comm_instance,
+    mismatch_order,
     signature_of,
 )
 from purepp.effects.numpy_interpreter import PostedCollective
@@ -134,6 +136,8 @@ class CollectiveHub:
         # With one stage per replica there are no stages to compare.
         self._stages = StageAgreements(world) if world.pp > 1 else None
         self._decisions = Decisions(world)
+        # Ops seen to disagree while some member had not posted them, and their reports.
+        self._mismatches: dict[tuple[_Instance, int], MismatchReport] = {}
 
     def post(self, posted: PostedCollective, /) -> None:
         """Match `posted` with its peers' posts of the same op, then compare an agreement's
@@ -176,6 +180,9 @@ class CollectiveHub:
         them, else the stages' divergence held back for an agreement some stage never
         posted (`StageAgreements.held`), else the stages' decisions that differed
         (`note`): call it when the run ends or cannot go on."""
+        if self._mismatches:  # the first, as `match_collectives` orders problems
+            report = min(self._mismatches.values(), key=mismatch_order)
+            raise CollectiveReportError.from_report(self._call, report)
         within, stages = self._decisions.held()
         if within is not None:  # a cause of its own
             raise CollectiveReportError.from_report(self._call, within)
@@ -210,6 +217,9 @@ class CollectiveHub:
         # The signature as plain tuples (see `_signature_key`), cheaper to build and
         # compare; the signatures themselves are built only when `check_posts` runs.
         signature = keys[rank] = _signature_key(effect)
+        if self._mismatches and (state, seq) in self._mismatches:
+            self._hold_or_raise(state, seq)  # an op already seen to disagree
+            return
         if self._compare_steps:
             if len(keys) > 1:
                 first = keys[next(iter(keys))]
@@ -228,23 +238,45 @@ class CollectiveHub:
                 if rank in group and (src is None or src in group):
                     return
             agreed, self._agreed = self._agreed, False  # until the check comes back clean
-            report = check_posts(state.instance, seq, state.signatures(seq))
+            report = self._check(state, seq)
             if report is None:
                 self._agreed = agreed
         else:
-            # Compare as the wire does, then report the posts as they were labelled.
-            signatures = state.signatures(seq)
-            unlabelled = {rank: attrs.evolve(sig, step=0) for rank, sig in signatures.items()}
-            report = check_posts(state.instance, seq, unlabelled)
-            if report is not None:
-                peer = report.peer
-                report = attrs.evolve(
-                    report,
-                    expected=signatures[report.rank],
-                    received=None if peer is None else signatures[peer],
-                )
+            report = self._check(state, seq)
         if report is not None:
+            self._hold_or_raise(state, seq, report)
+
+    def _check(self, state: _Instance, seq: int) -> MismatchReport | None:
+        """`check_posts` over op `seq`'s posts so far (as the wire does without steps)."""
+        signatures = state.signatures(seq)
+        if self._compare_steps:
+            return check_posts(state.instance, seq, signatures)
+        # Compare as the wire does, then report the posts as they were labelled.
+        unlabelled = {rank: attrs.evolve(sig, step=0) for rank, sig in signatures.items()}
+        report = check_posts(state.instance, seq, unlabelled)
+        if report is not None:
+            peer = report.peer
+            report = attrs.evolve(
+                report,
+                expected=signatures[report.rank],
+                received=None if peer is None else signatures[peer],
+            )
+        return report
+
+    def _hold_or_raise(
+        self, state: _Instance, seq: int, report: MismatchReport | None = None
+    ) -> None:
+        """Raise op `seq`'s mismatch once every member has posted it, so that its culprit
+        is counted over them all, whatever order they posted in; until then hold it (the
+        op never completes: a member that never posts leaves it to `raise_held`)."""
+        report = self._check(state, seq) if report is None else report
+        if report is None:  # unreachable: posts that disagreed still disagree
+            return
+        posts = state.posts[seq]
+        if all(member in posts for member in state.instance.group):
+            self._mismatches.pop((state, seq), None)
             raise CollectiveReportError.from_report(self._call, report)
+        self._mismatches[state, seq] = report
 
     def reach_head(self, posted: PostedCollective, /) -> None:
         state, _ = self._where[posted]
