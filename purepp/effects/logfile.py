@@ -527,13 +527,18 @@ class _Template:
     """What a line validated in full says about the other lines of its key."""
 
     kind: str  # the effect's kind
-    # Numbers an int32 array may not hold: build every record to check them
+    # An int32 array, or numbers one may not hold: build every record to check them
     # (False: a record that never waits needs nothing checked but its numbering).
     build_always: bool
     builder: _FieldsBuilder | None  # builds the effect; None: the JSON decoder reads it
 
 
 _FIELD_TYPES: Final = {cls: typing.get_type_hints(cls) for cls in EFFECT_CLASSES}
+# Kinds holding an int32 array: a line that differs from a validated one in digits alone
+# may declare a shape its values do not have, which only building the record checks.
+_ARRAY_KINDS: Final = frozenset(
+    kind for kind, cls in EFFECT_KINDS.items() if IntArray in _FIELD_TYPES[cls].values()
+)
 
 # Keys of lines already validated in full; bounded, as a cache.
 _SEEN_TEMPLATES: dict[bytes, _Template] = {}
@@ -550,7 +555,7 @@ def _template(rest: bytes, effect: Effect, kind: str) -> _Template | None:
         return None
     return _Template(
         kind=kind,
-        build_always=_LONG_NUMBER.search(rest) is not None,
+        build_always=kind in _ARRAY_KINDS or _LONG_NUMBER.search(rest) is not None,
         builder=_fields_builder(rest, effect),
     )
 
