@@ -317,10 +317,11 @@ def _capture_sizes(spelling: Spelling, value: object) -> tuple[int, ...]:
 
 
 def _probe_folder(
-    setting: str, value: str, folder: Path, fix: str, spelling: Spelling, *, probe: str = ""
+    setting: str, value: str, folder: Path, fix: str, spelling: Spelling, *, length: int = 0
 ) -> None:
-    """Create `folder` if needed and write a file in it (named `probe`, or one of its own);
-    refuse with the OS's reason."""
+    """Create `folder` if needed and write a file in it, its name this process's own and
+    at least `length` bytes long (so that a name that long fits); refuse with the OS's
+    reason."""
     try:
         for above in (folder, *folder.parents):
             if above.exists():
@@ -329,7 +330,9 @@ def _probe_folder(
                     raise spelling.refuse(setting, value, problem, fix)
                 break
         folder.mkdir(parents=True, exist_ok=True)
-        written = folder / (probe or f".purepp-write-test-{os.getpid()}")
+        # Each process its own name: the ranks of a run probe the same folder at once.
+        name = f".purepp-write-test-{os.getpid()}"
+        written = folder / name.ljust(length, "x")
         written.write_bytes(b"")
         written.unlink()
     except OSError as error:
@@ -363,8 +366,9 @@ def check_trace(value: str, *, spelling: Spelling = CLI) -> Path:
     except OSError as error:  # a name too long for the file system, say
         problem = f"cannot be written ({error.strerror or error})"
         raise spelling.refuse("trace", value, problem, fix) from error
-    # Probed under the name the trace is first written as: it is longer than the trace's.
-    _probe_folder("trace", value, path.parent, fix, spelling, probe=partial_trace(path).name)
+    # Probed with a name as long as the one the trace is first written under.
+    length = len(os.fsencode(partial_trace(path).name))
+    _probe_folder("trace", value, path.parent, fix, spelling, length=length)
     if path.exists() and not os.access(path, os.W_OK):
         raise spelling.refuse("trace", value, "is not writable", fix)
     return path
