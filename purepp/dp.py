@@ -961,7 +961,7 @@ def _note(pending: PendingAgreement, outcome: DispatchOutcome) -> NoteDecision:
             comm=comm,
             cg_mode="NONE",
             num_ubatches=1,
-            num_tokens_across_dp=_idle_counts(group.dp_size),
+            num_tokens_across_dp=group.padded_counts(0),  # every rank's 0, frozen
             uniform_token_count=None,
             eager=True,
             num_reqs=0,
@@ -980,12 +980,6 @@ def _note(pending: PendingAgreement, outcome: DispatchOutcome) -> NoteDecision:
         num_reqs=sync.num_reqs,
         max_query_len=sync.max_query_len,
     )
-
-
-@functools.lru_cache(maxsize=64)
-def _idle_counts(dp_size: int) -> IntArray:
-    """dp_size zero counts, frozen: an idle agreement's note."""
-    return readonly(np.zeros(dp_size, dtype=np.int32), np.int32)
 
 
 def _check_finish(lanes: Any, pending: Any) -> None:

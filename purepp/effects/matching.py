@@ -978,13 +978,14 @@ class Decisions:
         self._within: dict[_DecisionKey, _Noted] = {}  # two decisions within one group
         self._stages: tuple[_DecisionKey, _Noted] | None = None  # the first of stages only
         self._group_of: dict[tuple[int, Communicator], tuple[int, ...]] = {}
+        self._world_scope = tuple(range(world.world_size))  # a DP lane's agreement's
         self.alike = 0  # agreements every rank of their scope noted, all alike
 
     def note(self, rank: int, note: NoteDecision) -> None:
         """Note `rank`'s decision for its agreement."""
-        world, comm = self._world, note.comm
-        scope = tuple(range(world.world_size)) if comm in _PER_STAGE else self._group(rank, comm)
-        key = (note.step, str(note.table), scope)
+        comm = note.comm
+        scope = self._world_scope if comm in _PER_STAGE else self._group(rank, comm)
+        key = (note.step, note.table, scope)  # a BufferRef keys as its name
         decided = _decided(note)
         seen = self._notes.get(key)
         if seen is None:
