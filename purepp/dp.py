@@ -145,6 +145,7 @@ _AllReduce = trusted(AllReduce)
 _Release = trusted(Release)
 _NoteDecision = trusted(NoteDecision)
 _Descriptor = trusted(BatchExecutionDescriptor)
+_Step = trusted(Step)
 _INT32 = np.dtype(np.int32)
 
 
@@ -285,6 +286,9 @@ def _check_group(instance: AgreementGroup) -> None:
         )
 
 
+_CACHED_PER_GROUP = 1024  # a bound on each of a group's caches of shared frozen results
+
+
 @attrs.frozen(kw_only=True)
 class AgreementGroup:
     """The DP group an agreement runs in; built once, checked once.
@@ -304,6 +308,10 @@ class AgreementGroup:
     all_live: bool = attrs.field(init=False, repr=False)  # no rank has died
     _padded_counts: dict[int, IntArray] = attrs.field(init=False, repr=False, eq=False, hash=False)
     # ^ frozen per-rank arrays of one agreed count, shared by every sync that holds it
+    _graph_outcomes: dict[tuple[int, int | None, int, int | None], DispatchOutcome] = attrs.field(
+        init=False, repr=False, eq=False, hash=False
+    )
+    # ^ frozen outcomes of agreed graphs, shared by the steps that agree the same one
 
     def __attrs_post_init__(self) -> None:
         _check_group(self)
@@ -315,6 +323,7 @@ class AgreementGroup:
         object.__setattr__(self, "live", live)
         object.__setattr__(self, "all_live", len(live) == self.dp_size)
         object.__setattr__(self, "_padded_counts", {})
+        object.__setattr__(self, "_graph_outcomes", {})
 
     def comm_of(self, lane: Lane) -> Communicator:
         """The communicator `lane` reduces its table over."""
@@ -339,6 +348,37 @@ class AgreementGroup:
         ]
         return attrs.evolve(self, live_ranks=frozenset(self.live).difference(dead))
 
+    def _graph_outcome(
+        self,
+        descriptor: BatchExecutionDescriptor,
+        uniform: int | None,
+        most_reqs: int,
+        max_query_len: int | None,
+    ) -> DispatchOutcome:
+        """The outcome of an agreed graph: every rank padded to the descriptor's tokens.
+
+        A steady decode agrees the same graph step after step, so the frozen outcome is
+        shared. Keyed by the descriptor's identity (a dispatcher's memo hands the same
+        one back). An entry counts only for that very descriptor: one held by a copy of
+        the group, or by a group unpickled in another process, is recomputed.
+        """
+        key = (id(descriptor), uniform, most_reqs, max_query_len)
+        known = self._graph_outcomes.get(key)
+        if known is not None and known.descriptor is descriptor:
+            return known
+        full_reqs = descriptor.num_reqs if descriptor.cg_mode is CUDAGraphMode.FULL else None
+        sync = _sync(
+            self.padded_counts(descriptor.num_tokens),
+            uniform,
+            False,
+            full_reqs if full_reqs is not None else most_reqs,
+            max_query_len,
+        )
+        outcome = _outcome(descriptor, sync)
+        if known is not None or len(self._graph_outcomes) < _CACHED_PER_GROUP:
+            self._graph_outcomes[key] = outcome
+        return outcome
+
     def padded_counts(self, num_tokens: int) -> IntArray:
         """`num_tokens` for every live rank and 0 for every dead one, read-only."""
         if type(num_tokens) is not int or not 0 <= num_tokens <= INT32_MAX:
@@ -349,7 +389,7 @@ class AgreementGroup:
         counts = np.zeros(self.dp_size, dtype=np.int32)
         counts[list(self.live)] = num_tokens
         out: IntArray = readonly(counts, np.int32)
-        if len(self._padded_counts) < 1024:
+        if len(self._padded_counts) < _CACHED_PER_GROUP:
             self._padded_counts[num_tokens] = out
         return out
 
@@ -745,7 +785,7 @@ def start_agreement(
             own=(),
             release=(),
         )
-        return Step(busy, (), pending)
+        return _Step(busy, (), pending)
     own = _column(group, batch, desired)
     # This rank's column packed into zeros: the bytes of the table, immutable all the
     # way down, so the AllReduce takes the array as it is.
@@ -777,7 +817,7 @@ def start_agreement(
         comm=group.comm_of(lane),
         work=work,
     )
-    return Step(busy, (all_reduce,), pending)
+    return _Step(busy, (all_reduce,), pending)
 
 
 @functools.lru_cache(maxsize=256)
@@ -892,9 +932,9 @@ def wait_for_agreement(pending: PendingAgreement) -> Step[PendingAgreement, Buff
             "pass the result of start_agreement",
         )
     if pending.work is None:
-        return Step(pending, (), pending.table)
+        return _Step(pending, (), pending.table)
     wait = WaitWork(step=pending.step, op=Op.AGREE, work=pending.work)
-    return Step(pending, (wait,), pending.table)
+    return _Step(pending, (wait,), pending.table)
 
 
 def finish_agreement(
@@ -936,10 +976,10 @@ def finish_agreement(
                 "a reduced table was passed for an agreement decided at once",
                 "pass None: this start issued no collective (wait_for_agreement gives None)",
             )
-        return Step(free, (), pending.decided)
+        return _Step(free, (), pending.decided)
     bounds, live_table = _check_table(pending, reduced_table)
     outcome = _decide(pending, bounds, live_table)
-    return Step(free, (_note(pending, outcome), *pending.release), outcome)
+    return _Step(free, (_note(pending, outcome), *pending.release), outcome)
 
 
 # Indexed by the mode's value: an IntEnum indexes a list in C, where hashing one for a
@@ -1053,14 +1093,24 @@ def _check_table(
             "pass the all-reduced table bound to the pending agreement's `table` (tensor.numpy())",
         )
     rank = group.dp_rank
-    column = tuple(reduced_table[:, rank].tolist())
+    rows: list[list[int]] | None = None
+    if group.all_live and group.dp_size <= _SMALL_GROUP:  # one read of the whole table
+        rows = reduced_table.tolist()
+        column = tuple([row[rank] for row in rows])
+    else:
+        column = tuple(reduced_table[:, rank].tolist())
     if column != pending.own:
         raise _bad_table(
             f"column {rank} is {list(column)} but this rank contributed {list(pending.own)}",
             "pass the table reduced from this agreement's contribution (same lane and step)",
         )
     live_table = reduced_table if group.all_live else reduced_table[:, group.live]
-    bounds = _row_bounds(live_table)
+    if rows is None:
+        bounds = _row_bounds(live_table)
+    else:
+        for row in rows:
+            row.sort()
+        bounds = rows
     modes = bounds[ROW_CG_MODE]
     query_low = bounds[ROW_MAX_QUERY_LEN][0]
     sane = (
@@ -1145,15 +1195,7 @@ def _decide(
         ),
         dispatcher,
     )
-    full_reqs = descriptor.num_reqs if descriptor.cg_mode is CUDAGraphMode.FULL else None
-    sync = _sync(
-        group.padded_counts(descriptor.num_tokens),
-        agreed_uniform,
-        False,
-        full_reqs if full_reqs is not None else most_reqs,
-        agreed_query_len,
-    )
-    return _outcome(descriptor, sync)
+    return group._graph_outcome(descriptor, agreed_uniform, most_reqs, agreed_query_len)
 
 
 def _own_counts(group: AgreementGroup, live_tokens: npt.NDArray[np.int32]) -> IntArray:
