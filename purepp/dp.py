@@ -767,7 +767,7 @@ def start_agreement(
     busy = _lanes(step, lanes.drafter) if lane is Lane.TARGET else _lanes(lanes.target, step)
     decided: DispatchOutcome | None = None
     if group.dp_size == 1:
-        decided = _outcome(desired, None)
+        decided = _outcome(desired, None)  # decide_alone's answer, desired known already
     elif batch.dp_sync is not None:
         decided = _reuse(batch.dp_sync, desired, batch.num_tokens)
     if decided is not None:
@@ -818,6 +818,13 @@ def start_agreement(
         work=work,
     )
     return _Step(busy, (all_reduce,), pending)
+
+
+def decide_alone(dispatcher: Dispatcher | None, batch: RankBatch) -> DispatchOutcome:
+    """What an agreement in a group of one rank decides: this rank's own descriptor, no
+    sync. The start's check of the batch and dispatcher is its caller's (`purepp.rank`
+    checks its phase's values once, at their boundary)."""
+    return _outcome(_desired_descriptor(dispatcher, batch), None)
 
 
 @functools.lru_cache(maxsize=256)

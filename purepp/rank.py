@@ -355,6 +355,7 @@ _Agreeing = trusted(Agreeing)
 _RankState = trusted(RankState)
 _Begun = trusted(Begun)
 _Agreed = trusted(Agreed)
+_RankBatch = trusted(dp.RankBatch)
 
 
 def _expect(call: str, name: str, value: object, kind: type) -> None:
@@ -439,6 +440,14 @@ def _check_agree(
             f"scheduled tokens ({batch.num_reqs} rows)",
             "pass the step's scheduled tokens (after padding) as num_tokens",
         )
+    uniform = shape.uniform_token_count
+    if uniform is not None and uniform * batch.num_reqs > shape.num_tokens:
+        raise InvalidInputError(
+            call,
+            f"ShapeFacts.uniform_token_count={uniform} x {batch.num_reqs} rows exceeds "
+            f"ShapeFacts.num_tokens={shape.num_tokens}",
+            "pass the tokens per request of a uniform decode batch, else None",
+        )
     if config.dispatcher is None and not shape.need_eager:
         # dp.start_agreement refuses it too, but would name itself and not the config.
         raise InvalidInputError(
@@ -508,7 +517,8 @@ def begin(config: RankConfig, state: RankState, steps: RankSteps = REAL_STEPS) -
         check_state("begin", config.relay, state.relay)
         return _Begun(relay=state.relay, lanes=state.lanes, consumed=None, agreeing=state.agreeing)
     taken = steps.consume(config.relay, state.relay, update_drafts=config.updates_drafts)
-    yield taken.effects
+    if taken.effects:
+        yield taken.effects
     return _Begun(
         relay=taken.state, lanes=state.lanes, consumed=taken.result, agreeing=state.agreeing
     )
@@ -535,6 +545,14 @@ def agree(
     _expect_steps("agree", steps)
     _check_not_started("agree", begun)
     begun = _freed("agree", config, begun, freed, steps)
+    lanes = begun.lanes
+    if (
+        config.group.dp_size == 1
+        and steps.start_agreement is dp.start_agreement  # a runner's own start runs as given
+        and lanes.target is None
+        and lanes.drafter is None  # else the start refuses the busy lane
+    ):
+        return _agreed_alone(config, begun, batch, shape)
     begun = yield from _started(config, begun, batch, shape, asynchronous=False, steps=steps)
     return (yield from _settled(config, begun, io, steps))
 
@@ -631,20 +649,48 @@ def _start(
     asynchronous: bool,
     steps: RankSteps,
 ) -> StepPhase[tuple[dp.AgreementLanes, Agreeing]]:
-    facts = dp.RankBatch(
+    facts = _facts(batch, shape)
+    started = steps.start_agreement(
+        lanes, config.group, config.dispatcher, facts, step=step, asynchronous=asynchronous
+    )
+    if started.effects:
+        yield started.effects
+    agreeing = _Agreeing(step=step, batch=batch, facts=facts, pending=started.result)
+    return started.state, agreeing
+
+
+def _facts(batch: BatchFacts, shape: ShapeFacts) -> dp.RankBatch:
+    """The agreement's facts of this rank's batch, from values `_check_agree` checked."""
+    return _RankBatch(
         num_reqs=batch.num_reqs,
         num_tokens=shape.num_tokens,
         uniform_token_count=shape.uniform_token_count,
         max_query_len=shape.max_query_len,
         need_eager=shape.need_eager,
         num_active_loras=shape.num_active_loras,
+        dp_sync=None,
     )
-    started = steps.start_agreement(
-        lanes, config.group, config.dispatcher, facts, step=step, asynchronous=asynchronous
+
+
+def _agreed_alone(config: RankConfig, begun: Begun, batch: BatchFacts, shape: ShapeFacts) -> Agreed:
+    """`agree` in a group of one rank: each dispatcher decides alone, with no collective.
+
+    What the start, the wait and the finish decide there, without building them: the
+    drafter reuses no sync (a lone rank has none), so it dispatches the same facts.
+    """
+    facts = _facts(batch, shape)
+    target = dp.decide_alone(config.dispatcher, facts)
+    drafter = None
+    if config.drafter_dispatcher is not None:
+        drafter = dp.decide_alone(config.drafter_dispatcher, facts)
+    return _Agreed(
+        relay=begun.relay,
+        lanes=begun.lanes,
+        batch=batch,
+        target=target,
+        drafter=drafter,
+        ahead=None,
     )
-    yield started.effects
-    agreeing = _Agreeing(step=step, batch=batch, facts=facts, pending=started.result)
-    return started.state, agreeing
 
 
 def settle(
@@ -732,7 +778,8 @@ def _settled(
             step=agreeing.step,
             lane=dp.Lane.DRAFTER,
         )
-        yield started.effects
+        if started.effects:
+            yield started.effects
         lanes, drafter = yield from _complete(started.state, started.result, io)
     return _Agreed(
         relay=begun.relay,
@@ -749,10 +796,12 @@ def _complete(
 ) -> StepPhase[tuple[dp.AgreementLanes, dp.DispatchOutcome]]:
     """Wait for a started agreement's all-reduce and decide from its table."""
     waited = dp.wait_for_agreement(pending)
-    yield waited.effects
+    if waited.effects:
+        yield waited.effects
     table = None if waited.result is None else io.host_table(waited.result)
     finished = dp.finish_agreement(lanes, pending, table)
-    yield finished.effects
+    if finished.effects:
+        yield finished.effects
     return finished.state, finished.result
 
 
@@ -788,7 +837,8 @@ def finish(
         io.bind(inputs.idx_mapping, io.upload(batch.idx_mapping))
     if not config.is_last_stage:
         posted = steps.receive(relay_config, relay, batch)
-        yield posted.effects
+        if posted.effects:
+            yield posted.effects
         relay = posted.state
     elif sampled is not None:
         relay = yield from _broadcast(
@@ -799,7 +849,8 @@ def finish(
         sent = steps.broadcast_sampled(
             relay_config, relay, batch, _NO_ROWS, _drafts_of(relay_config)
         )
-        yield sent.effects
+        if sent.effects:
+            yield sent.effects
         relay = sent.state
     elif batch.sampled_mask is not None or relay_config.wire is Wire.FIXED:
         raise InvalidInputError(
@@ -809,7 +860,8 @@ def finish(
             "pass the step's Sampled outputs to finish on the last stage",
         )
     ended = steps.end_step(relay_config, relay)
-    yield ended.effects
+    if ended.effects:
+        yield ended.effects
     return _RankState(relay=ended.state, lanes=agreed.lanes, agreeing=agreed.ahead)
 
 
@@ -856,15 +908,18 @@ def _broadcast(
         if drafts is not None:  # checked before the tokens go out: peers would wait for it
             check_drafts("finish", config, drafts)
         sent = steps.broadcast_sampled(config, relay, batch, tokens)
-        yield sent.effects
+        if sent.effects:
+            yield sent.effects
         relay = sent.state
         if drafts is not None:
             sent = steps.broadcast_drafts(config, relay, batch, drafts)
-            yield sent.effects
+            if sent.effects:
+                yield sent.effects
             relay = sent.state
         return relay
     sent = steps.broadcast_sampled(config, relay, batch, tokens, drafts)
-    yield sent.effects
+    if sent.effects:
+        yield sent.effects
     return sent.state
 
 
