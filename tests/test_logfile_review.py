@@ -448,4 +448,25 @@ def test_the_header_diff_names_each_config_key_that_differs(
     other = attrs.evolve(header, config={**header.config, key: [1.0]})
     report = diff_logs(EffectLog(header, ()), EffectLog(other, ()))
     assert report is not None
-    assert report.split("\n")[-1] == f"  fields that differ: config.{key}"
+    # A key a dotted name would garble (a dot, a space, a newline, or empty) is quoted.
+    shown = f".{key}" if re.fullmatch(r"[A-Za-z0-9_-]+", key) else f"[{json.dumps(key)}]"
+    assert report.split("\n")[-1] == f"  fields that differ: config{shown}"
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"model": "llama"}, "config.model"),
+        ({"a.b": 2}, 'config["a.b"]'),  # not config.a.b, a nested key it is not
+        ({"x y": 2}, 'config["x y"]'),
+        ({"": 2}, 'config[""]'),
+        ({"two\nlines": 2}, 'config["two\\nlines"]'),  # the report stays one line a field
+    ],
+)
+def test_a_config_key_a_dotted_name_would_garble_is_quoted(
+    config: dict[str, object], named: str
+) -> None:
+    other = attrs.evolve(HEADER, config={**HEADER.config, **config})
+    report = diff_logs(EffectLog(HEADER, ()), EffectLog(other, ()))
+    assert report is not None
+    assert report.splitlines()[-1] == f"  fields that differ: {named}"

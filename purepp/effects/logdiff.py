@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import attrs
 
@@ -41,8 +42,17 @@ def _differing_keys(prefix: str, want: object, got: object) -> list[str]:
     return [
         name
         for key in dict.fromkeys([*want, *got])
-        for name in _differing_keys(f"{prefix}.{key}", want.get(key), got.get(key))
+        for name in _differing_keys(prefix + _member(key), want.get(key), got.get(key))
     ]
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _member(key: str) -> str:
+    """`.key`, or `["key"]` (as JSON) for a key a dotted name would garble: one holding a
+    dot, a space, a newline, or nothing at all."""
+    return f".{key}" if _PLAIN_KEY.fullmatch(key) else f"[{json.dumps(key)}]"
 
 
 def _differing_header_fields(expected: LogHeader, actual: LogHeader) -> list[str]:
