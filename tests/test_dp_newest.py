@@ -27,6 +27,7 @@ from purepp.dp import (
     AgreementGroup,
     AgreementLanes,
     DispatchOutcome,
+    Lane,
     MicrobatchConfig,
     RankBatch,
     TableLayout,
@@ -372,3 +373,24 @@ def test_a_group_marks_ranks_dead_and_must_keep_itself_alive() -> None:
         AgreementGroup(dp_size=4, dp_rank=1, live_ranks={1, 7})
     with pytest.raises(ConfigError, match=r"live_ranks='12' is not a set of ranks"):
         AgreementGroup(dp_size=4, dp_rank=1, live_ranks="12")  # type: ignore[arg-type]
+
+
+def test_a_drafter_reusing_a_split_agreement_runs_eager_at_the_agreed_count_unsplit() -> None:
+    """The seed's reuse of an eager sync builds its eager descriptor without a split: the
+    drafter runs eager at the agreed (padded) count with one microbatch, on every rank,
+    with no collective."""
+    batches = [RankBatch(num_reqs=3, num_tokens=6), RankBatch(num_reqs=4, num_tokens=9)]
+    outcomes = agree_across_ranks(SPEC, batches, layout=MICRO)
+    assert {o.descriptor.num_ubatches for o in outcomes} == {2}
+    for rank, (batch, outcome) in enumerate(zip(batches, outcomes, strict=True)):
+        sync = outcome.sync
+        assert sync is not None
+        reuse = attrs.evolve(batch, dp_sync=sync, num_tokens=int(sync.num_tokens_across_dp[rank]))
+        group = AgreementGroup(dp_size=2, dp_rank=rank, layout=MICRO)
+        started = start_agreement(FREE, group, SPEC, reuse, step=1, lane=Lane.DRAFTER)
+        assert started.effects == ()
+        drafter = finish_agreement(started.state, started.result, None).result
+        assert drafter.descriptor == BatchExecutionDescriptor(
+            cg_mode=NONE, num_tokens=9, num_reqs=batch.num_reqs, num_ubatches=1
+        )
+        assert drafter.sync == sync
