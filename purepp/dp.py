@@ -125,6 +125,7 @@ __all__ = [
     "RankBatch",
     "TableLayout",
     "agree_across_ranks",
+    "decide_alone",
     "finish_agreement",
     "start_agreement",
     "wait_for_agreement",
@@ -379,6 +380,21 @@ class AgreementGroup:
             self._graph_outcomes[key] = outcome
         return outcome
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy (pickle, deepcopy) starts with empty caches: they are derived, and numpy
+        # would hand their frozen arrays back writable.
+        return (
+            _rebuilt_group,
+            (
+                self.dp_size,
+                self.dp_rank,
+                self.layout,
+                self.live_ranks,
+                self.comm,
+                self.drafter_comm,
+            ),
+        )
+
     def padded_counts(self, num_tokens: int) -> IntArray:
         """`num_tokens` for every live rank and 0 for every dead one, read-only."""
         if type(num_tokens) is not int or not 0 <= num_tokens <= INT32_MAX:
@@ -392,6 +408,24 @@ class AgreementGroup:
         if len(self._padded_counts) < _CACHED_PER_GROUP:
             self._padded_counts[num_tokens] = out
         return out
+
+
+def _rebuilt_group(  # noqa: PLR0917  # AgreementGroup's fields, in their order
+    dp_size: int,
+    dp_rank: int,
+    layout: TableLayout,
+    live_ranks: frozenset[int] | None,
+    comm: Communicator,
+    drafter_comm: Communicator,
+) -> AgreementGroup:
+    return AgreementGroup(
+        dp_size=dp_size,
+        dp_rank=dp_rank,
+        layout=layout,
+        live_ranks=live_ranks,
+        comm=comm,
+        drafter_comm=drafter_comm,
+    )
 
 
 # -- per-step values ----------------------------------------------------------------------
@@ -820,10 +854,33 @@ def start_agreement(
     return _Step(busy, (all_reduce,), pending)
 
 
-def decide_alone(dispatcher: Dispatcher | None, batch: RankBatch) -> DispatchOutcome:
-    """What an agreement in a group of one rank decides: this rank's own descriptor, no
-    sync. The start's check of the batch and dispatcher is its caller's (`purepp.rank`
-    checks its phase's values once, at their boundary)."""
+def decide_alone(
+    lanes: AgreementLanes,
+    group: AgreementGroup,
+    dispatcher: Dispatcher | None,
+    batch: RankBatch,
+    *,
+    step: int,
+    lane: Lane,
+) -> DispatchOutcome:
+    """What `start_agreement` then `finish_agreement` decide in a group of one rank (this
+    rank's own descriptor, no sync), without building either: checked and refused as the
+    start checks and refuses. The lanes stay as they are."""
+    _check_start(
+        lanes=lanes,
+        group=group,
+        dispatcher=dispatcher,
+        batch=batch,
+        step=step,
+        lane=lane,
+        asynchronous=False,
+    )
+    if group.dp_size != 1:
+        raise InvalidInputError(
+            "decide_alone",
+            f"the group has {group.dp_size} ranks",
+            "decide alone only in a group of one rank; agree with start_agreement otherwise",
+        )
     return _outcome(_desired_descriptor(dispatcher, batch), None)
 
 

@@ -356,6 +356,7 @@ _RankState = trusted(RankState)
 _Begun = trusted(Begun)
 _Agreed = trusted(Agreed)
 _RankBatch = trusted(dp.RankBatch)
+_TARGET, _DRAFTER = dp.Lane.TARGET, dp.Lane.DRAFTER
 
 
 def _expect(call: str, name: str, value: object, kind: type) -> None:
@@ -545,14 +546,8 @@ def agree(
     _expect_steps("agree", steps)
     _check_not_started("agree", begun)
     begun = _freed("agree", config, begun, freed, steps)
-    lanes = begun.lanes
-    if (
-        config.group.dp_size == 1
-        and steps.start_agreement is dp.start_agreement  # a runner's own start runs as given
-        and lanes.target is None
-        and lanes.drafter is None  # else the start refuses the busy lane
-    ):
-        return _agreed_alone(config, begun, batch, shape)
+    if config.group.dp_size == 1 and steps.start_agreement is dp.start_agreement:
+        return _agreed_alone(config, begun, batch, shape)  # a runner's own start runs as given
     begun = yield from _started(config, begun, batch, shape, asynchronous=False, steps=steps)
     return (yield from _settled(config, begun, io, steps))
 
@@ -675,14 +670,18 @@ def _facts(batch: BatchFacts, shape: ShapeFacts) -> dp.RankBatch:
 def _agreed_alone(config: RankConfig, begun: Begun, batch: BatchFacts, shape: ShapeFacts) -> Agreed:
     """`agree` in a group of one rank: each dispatcher decides alone, with no collective.
 
-    What the start, the wait and the finish decide there, without building them: the
-    drafter reuses no sync (a lone rank has none), so it dispatches the same facts.
+    What the start, the wait and the finish decide there, checked and refused as the
+    start would, without building them: the drafter reuses no sync (a lone rank has
+    none), so it dispatches the same facts.
     """
     facts = _facts(batch, shape)
-    target = dp.decide_alone(config.dispatcher, facts)
+    lanes, group, step = begun.lanes, config.group, begun.relay.step
+    target = dp.decide_alone(lanes, group, config.dispatcher, facts, step=step, lane=_TARGET)
     drafter = None
     if config.drafter_dispatcher is not None:
-        drafter = dp.decide_alone(config.drafter_dispatcher, facts)
+        drafter = dp.decide_alone(
+            lanes, group, config.drafter_dispatcher, facts, step=step, lane=_DRAFTER
+        )
     return _Agreed(
         relay=begun.relay,
         lanes=begun.lanes,
