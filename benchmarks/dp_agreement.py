@@ -127,14 +127,23 @@ def seed_whole(
     others: npt.NDArray[np.int32],
     group: Any,
 ) -> tuple[BatchExecutionDescriptor, SeedSync | None]:
-    """The seed's whole agreement on one rank: dispatch, table, all-reduce, decide."""
-    desired = manager.dispatch(
-        shape.num_reqs,
-        shape.num_tokens,
-        shape.uniform_token_count,
-        num_active_loras=shape.num_active_loras,
-        max_query_len=shape.max_query_len,
-    )
+    """The seed's whole agreement on one rank: dispatch (eager when forced), table,
+    all-reduce, decide."""
+    if shape.need_eager:
+        desired = BatchExecutionDescriptor(
+            cg_mode=CUDAGraphMode.NONE,
+            num_tokens=shape.num_tokens,
+            num_reqs=shape.num_reqs,
+            num_active_loras=shape.num_active_loras,
+        )
+    else:
+        desired = manager.dispatch(
+            shape.num_reqs,
+            shape.num_tokens,
+            shape.uniform_token_count,
+            num_active_loras=shape.num_active_loras,
+            max_query_len=shape.max_query_len,
+        )
     tensor = torch.zeros(5, dp_size, dtype=torch.int32, device="cpu")
     tensor[0][RANK] = shape.num_tokens
     tensor[1][RANK] = desired.cg_mode.value

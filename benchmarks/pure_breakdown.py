@@ -4,12 +4,14 @@ The pure steps are functions of their arguments, so each call can be repeated on
 same state and timed by itself: the `BatchFacts` a caller builds, then a receiver's
 consume, free, receive and end_step, or a sender's free, broadcast_sampled,
 broadcast_drafts (seed wire with speculation) and end_step, in a steady state (the ring
-full, the consumed entry with nothing dropped). A step's sum counts the free once in
-FREE_EVERY steps, as the seed's cycle frees. Beside them, the seed's whole step with
-every device call a no-op (`seed_noop` of benchmarks/relay_host_cost.py), the figure the
-pure steps are held to. The effects column counts what each call returns; every effect
-is a frozen value built per call, and this table is where to look before optimising a
-step.
+full). The receiver's consume runs in turn over the states of the seed's cycle (its
+inputs, a slot freed every FREE_EVERY steps: some consumes compare generations and drop
+rows, as the seed's do); the other calls on one state with nothing dropped. A step's sum
+counts the free once in FREE_EVERY steps, as the seed's cycle frees. Beside them, the
+seed's whole step with every device call a no-op (`seed_noop` of
+benchmarks/relay_host_cost.py), the figure the pure steps are held to. The effects
+column counts what each call returns; every effect is a frozen value built per call, and
+this table is where to look before optimising a step.
 
 The last row of each case is the whole step through the rank step's phases (`purepp.rank`:
 begin, agree with dp 1, finish; no free), as a `RankDriver` embedder pays it, with an I/O
@@ -26,6 +28,7 @@ still pay. The effects it returns are placeholders; nothing else may run in the 
 from __future__ import annotations
 
 import argparse
+import itertools
 import typing
 from collections.abc import Callable
 from typing import TypeVar
@@ -35,7 +38,7 @@ import numpy.typing as npt
 import torch
 
 from benchmarks.relay_floor import timed
-from benchmarks.relay_host_cost import FREE_EVERY, Case, build_inputs, seed_runner
+from benchmarks.relay_host_cost import CYCLE, FREE_EVERY, Case, build_inputs, facts_of, seed_runner
 from benchmarks.seed_relay import SeedRelay, noop_calls, placeholder
 from purepp import relay
 from purepp.batch import BatchFacts
@@ -55,6 +58,7 @@ from purepp.rank import (
 )
 from purepp.relay import (
     RelayConfig,
+    RelayState,
     Wire,
     broadcast_drafts,
     broadcast_sampled,
@@ -71,6 +75,7 @@ T = TypeVar("T")
 SLOTS = 256
 WIRES = (Wire.SEED, Wire.PACKED, Wire.FIXED)
 FREE = "free_request_slots (1 slot)"  # runs one step in FREE_EVERY: weighted so in the sum
+CONSUME = "consume_previous_step (the seed's cycle)"  # in turn over the cycle's states
 
 
 class _Placeholder:
@@ -167,16 +172,37 @@ def step_calls(
     full = state
     consumed = consume_previous_step(config, full, update_drafts=spec > 0).state
     received = receive(config, consumed, batch).state
+    rotation = itertools.cycle(cycle_states(config, rows))
     calls += [
         (
-            "consume_previous_step",
-            lambda: consume_previous_step(config, full, update_drafts=spec > 0),
+            CONSUME,
+            lambda: consume_previous_step(config, next(rotation), update_drafts=spec > 0),
         ),
         (FREE, lambda: free_request_slots(config, consumed, freed_slot)),
         ("receive", lambda: receive(config, consumed, batch)),
         ("end_step", lambda: end_step(config, received)),
     ]
     return calls
+
+
+def cycle_states(config: RelayConfig, rows: int) -> list[RelayState]:
+    """A receiver's state before each consume of the seed's cycle in `relay_host_cost`:
+    its inputs, and a slot of the step's batch freed every FREE_EVERY steps, so some
+    consumes compare generations and drop rows, as the seed_noop step's do."""
+    case = Case(role="receiver", rows=rows, spec=config.num_speculative_steps)
+    inputs = build_inputs(case, SLOTS, torch.device("cpu"))
+    update = config.num_speculative_steps > 0
+    states: list[RelayState] = []
+    state = init_relay(config)
+    for i in range(2 * CYCLE):  # the first cycle fills the ring; the second is kept
+        j = i % CYCLE
+        if i >= CYCLE:
+            states.append(state)
+        state = consume_previous_step(config, state, update_drafts=update).state
+        if i % FREE_EVERY == 0:
+            state = free_request_slots(config, state, (inputs.freed[j],)).state
+        state = end_step(config, receive(config, state, facts_of(inputs.arrays[j])).state).state
+    return states
 
 
 class _ShapesIO:

@@ -145,8 +145,8 @@ def _no_record_stream(tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
 
 
 def _host_h2d(array: npt.NDArray[np.int32], device: torch.device) -> torch.Tensor:
-    # On CPU the "device" copy is a tensor over the host array (pinning needs CUDA).
-    return torch.from_numpy(array)
+    # On CPU the "device" copy is a copy on the host (pinning needs CUDA), as purepp's.
+    return torch.from_numpy(array.copy())
 
 
 def host_calls() -> DeviceCalls:
