@@ -102,7 +102,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 P = TypeVar("P", "RankState", "Begun", "Agreed")
 
-# A phase: effect tuples to perform in order, then the phase's answer.
+# A phase: the effect tuples to perform, in order (never an empty one), then its answer.
 StepPhase = Generator[tuple[Effect, ...], None, R]
 
 
