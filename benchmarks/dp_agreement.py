@@ -88,8 +88,9 @@ def seed_decide(
     uniforms_across = tensor[2]
     query_lens_across = tensor[3]
     reqs_across = tensor[4]
-    uniform: int | None = int(uniforms_across[0])
-    if uniform == 0 or not torch.all(uniforms_across == uniform):
+    first = int(uniforms_across[0])
+    uniform: int | None = first
+    if first == 0 or not torch.all(uniforms_across == first):
         uniform = None
     if torch.all(tokens_across == 0).item():
         idle = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=0, num_reqs=0)

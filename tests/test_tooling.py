@@ -25,7 +25,7 @@ def _run(*command: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_mypy_strict_is_clean() -> None:
-    result = _run(sys.executable, "-m", "mypy", "--strict", "purepp", "tests")
+    result = _run(sys.executable, "-m", "mypy", "--strict", "purepp", "tests", "benchmarks")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
