@@ -121,6 +121,24 @@ def seed_decide(
     return graph, SeedSync(tokens_across, uniform, False, padded_reqs)
 
 
+def seed_desired(manager: CudaGraphDispatcher, shape: RankBatch) -> BatchExecutionDescriptor:
+    """The seed's descriptor before the agreement: eager (no dispatch) when forced."""
+    if shape.need_eager:
+        return BatchExecutionDescriptor(
+            cg_mode=CUDAGraphMode.NONE,
+            num_tokens=shape.num_tokens,
+            num_reqs=shape.num_reqs,
+            num_active_loras=shape.num_active_loras,
+        )
+    return manager.dispatch(
+        shape.num_reqs,
+        shape.num_tokens,
+        shape.uniform_token_count,
+        num_active_loras=shape.num_active_loras,
+        max_query_len=shape.max_query_len,
+    )
+
+
 def seed_whole(
     manager: CudaGraphDispatcher,
     shape: RankBatch,
@@ -130,21 +148,7 @@ def seed_whole(
 ) -> tuple[BatchExecutionDescriptor, SeedSync | None]:
     """The seed's whole agreement on one rank: dispatch (eager when forced), table,
     all-reduce, decide."""
-    if shape.need_eager:
-        desired = BatchExecutionDescriptor(
-            cg_mode=CUDAGraphMode.NONE,
-            num_tokens=shape.num_tokens,
-            num_reqs=shape.num_reqs,
-            num_active_loras=shape.num_active_loras,
-        )
-    else:
-        desired = manager.dispatch(
-            shape.num_reqs,
-            shape.num_tokens,
-            shape.uniform_token_count,
-            num_active_loras=shape.num_active_loras,
-            max_query_len=shape.max_query_len,
-        )
+    desired = seed_desired(manager, shape)
     tensor = torch.zeros(5, dp_size, dtype=torch.int32, device="cpu")
     tensor[0][RANK] = shape.num_tokens
     tensor[1][RANK] = desired.cg_mode.value
@@ -204,17 +208,7 @@ def make_case(dp_size: int, branch: str, group: Any) -> Case:
     assert isinstance(all_reduce, AllReduce)
     reduced_np = all_reduce.contribution + others_np
     reduced_t = torch.from_numpy(reduced_np.copy())
-    desired = DISPATCHER.dispatch(
-        shape.num_reqs,
-        shape.num_tokens,
-        shape.uniform_token_count,
-        num_active_loras=shape.num_active_loras,
-        max_query_len=shape.max_query_len,
-    )
-    if shape.need_eager:
-        desired = BatchExecutionDescriptor(
-            cg_mode=CUDAGraphMode.NONE, num_tokens=shape.num_tokens, num_reqs=shape.num_reqs
-        )
+    desired = seed_desired(DISPATCHER, shape)
     # Check both ways decide alike before timing them.
     ours = finish_agreement(started.state, started.result, reduced_np).result
     theirs, their_sync = seed_decide(

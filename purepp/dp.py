@@ -1111,14 +1111,18 @@ _SMALL_GROUP = 16  # up to this many live columns, list.sort beats numpy's calls
 _SORT_GROUP = 256  # up to this many, one numpy sort beats two reductions (min and max)
 
 
+def _sorted_rows(rows: list[list[int]]) -> list[list[int]]:
+    """`rows`, each sorted in place: its least first and its most last."""
+    for row in rows:
+        row.sort()
+    return rows
+
+
 def _row_bounds(live_table: npt.NDArray[np.int32]) -> Sequence[Sequence[int]]:
     """Each row's live values with the least first and the most last (or just those two)."""
     columns = live_table.shape[1]
     if columns <= _SMALL_GROUP:
-        rows: list[list[int]] = live_table.tolist()
-        for row in rows:
-            row.sort()
-        return rows
+        return _sorted_rows(live_table.tolist())
     if columns <= _SORT_GROUP:
         # Columns 0 and columns-1 of the sorted rows: each row's least and most (a copy
         # sorted in place: np.sort's Python wrapper costs a fifth of the whole).
@@ -1169,12 +1173,7 @@ def _check_table(
             "pass the table reduced from this agreement's contribution (same lane and step)",
         )
     live_table = reduced_table if group.all_live else reduced_table[:, group.live]
-    if rows is None:
-        bounds = _row_bounds(live_table)
-    else:
-        for row in rows:
-            row.sort()
-        bounds = rows
+    bounds = _row_bounds(live_table) if rows is None else _sorted_rows(rows)
     modes = bounds[ROW_CG_MODE]
     query_low = bounds[ROW_MAX_QUERY_LEN][0]
     sane = (
