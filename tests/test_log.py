@@ -422,17 +422,17 @@ BAD_LOGS: dict[str, tuple[Mutation, int, str]] = {
     "string for int": (
         edit(4, lambda r: r["effect"].update(step="0")),
         4,
-        'expected an integer, got a string "0" @ record.effect.step',
+        'expected an integer in 0..9223372036854775807, got a string "0" @ record.effect.step',
     ),
     "bool for int": (
         edit(4, lambda r: r["effect"].update(src=True)),
         4,
-        "expected an integer, got a boolean true @ record.effect.src",
+        "expected an integer in 0..9223372036854775807, got a boolean true @ record.effect.src",
     ),
     "null for int": (
         edit(4, lambda r: r["effect"].update(src=None)),
         4,
-        "expected an integer, got null null @ record.effect.src",
+        "expected an integer in 0..9223372036854775807, got null null @ record.effect.src",
     ),
     "float in shape": (
         edit(4, lambda r: r["effect"].update(shape=[4.0, 2])),

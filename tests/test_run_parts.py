@@ -149,7 +149,10 @@ def test_results_cross_processes_through_the_converter(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "problem"),
     [
-        ('[{"rank": "0"}]', 'expected an integer, got a string "0" @ results[0].rank'),
+        (
+            '[{"rank": "0"}]',
+            'expected an integer in 0..9223372036854775807, got a string "0" @ results[0].rank',
+        ),
         ("[", "cannot be read as JSON"),
         ("{}", "results"),
     ],

@@ -208,10 +208,22 @@ def canonical_json(value: object) -> str:
 # -- structure hooks: strict, JSON type first -----------------------------------
 
 
+_INT64_MAX = 2**63 - 1
+# The one integer field a log holds that may be negative: PadColumns' fill value. Every
+# other one is a step, a size, a rank, an offset or a count, none below 0 on any run.
+_SIGNED_FIELDS = frozenset({"fill"})
+
+
 def _structure_int(value: object, _: type) -> int:
     # bool is an int subclass in Python, but `true` in a count field is corruption.
-    if type(value) is not int:
-        raise _expect("an integer", value)
+    if type(value) is not int or not 0 <= value <= _INT64_MAX:
+        raise _expect(f"an integer in 0..{_INT64_MAX}", value)
+    return value
+
+
+def _structure_signed_int(value: object, _: type) -> int:
+    if type(value) is not int or not -_INT64_MAX - 1 <= value <= _INT64_MAX:
+        raise _expect("an int64 integer", value)
     return value
 
 
@@ -309,15 +321,19 @@ def _structure_attrs_factory(
     # as an AttributeError, so say plainly that an object was expected.
     # Enum fields take `_structure_enum` by name: cattrs 25 builds enums inline in the
     # generated function, past the converter's hooks, with a message that omits the
-    # allowed values (cattrs 26 asks the hook).
+    # allowed values (cattrs 26 asks the hook). A signed field (`fill`) takes the signed
+    # hook by name, as every other int is read as a count (>= 0).
     hints = typing.get_type_hints(cls)
-    enums: dict[str, Any] = {  # field name -> override, as make_dict_structure_fn takes them
+    overrides: dict[str, Any] = {  # field name -> override, as make_dict_structure_fn takes them
         field.name: override(struct_hook=_structure_enum)
         for field in attrs.fields(cls)
         if isinstance(hints.get(field.name), type) and issubclass(hints[field.name], enum.Enum)
     }
+    for field in attrs.fields(cls):
+        if field.name in _SIGNED_FIELDS and hints.get(field.name) is int:
+            overrides[field.name] = override(struct_hook=_structure_signed_int)
     generated: Callable[[Mapping[str, Any], type], Any] = make_dict_structure_fn(
-        cls, converter, **enums
+        cls, converter, **overrides
     )
 
     def structure(value: object, _: type) -> Any:

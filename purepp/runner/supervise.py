@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
@@ -718,7 +719,8 @@ def launch(
     """Run the world and the single-stage reference side by side; summarise both.
     With `progress` the run's steps are drawn on stderr as it goes. Errors name
     `launch` and its arguments (`log_dir=...`); `purepp run` passes its flags'
-    `spelling` (`--log-dir ...`).
+    `spelling` (`--log-dir ...`). Every log header holds `run_id` (a fresh one when
+    None, as `purepp run` makes) and the config's digest.
 
     Raises UsageError before anything starts (a bad path, a log folder in use),
     RankFailure when a rank or the reference fails, freezes or hangs, and
@@ -748,12 +750,13 @@ def launch(
     if log_dir is not None:
         check_log_dir(log_dir, spelling=spelling)
     argv = worker_argv(settings, log_dir, trace)
-    if run_id is not None:
-        argv.append(f"--run-id={run_id}")
+    if run_id is None:
+        run_id = uuid.uuid4().hex
+    argv.append(f"--run-id={run_id}")
     with contextlib.ExitStack() as stack:
         stack.enter_context(_signals_stop_the_run())
         if log_dir is not None:
-            stack.enter_context(_log_dir_lock(Path(log_dir), run_id or "-", spelling))
+            stack.enter_context(_log_dir_lock(Path(log_dir), run_id, spelling))
             # The folder must hold this run's logs only: `purepp check` reads every one.
             try:
                 old_logs = logfile.rank_logs(spelling.call, Path(log_dir))
