@@ -75,10 +75,15 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import attrs
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from purepp.effects.plan import Name, Plan
-from purepp.effects.torch_kernels import pack, scatter_rows, section_view, torch_dtype
+from purepp.effects.torch_kernels import (
+    pack,
+    pad_columns,
+    scatter_rows,
+    section_view,
+    torch_dtype,
+)
 from purepp.effects.vocabulary import (
     Alias,
     Allocate,
@@ -850,8 +855,7 @@ def _lower_rows(
             q = segment.make(at[effect.out])
 
             def pad(slots: Slots) -> None:
-                source = slots[p]
-                slots[q] = F.pad(source, (0, width - source.shape[1]), value=fill)
+                slots[q] = pad_columns(slots[p], width, fill)
 
             kernels.append(pad)
             return effect.stream

@@ -55,7 +55,6 @@ import numpy as np
 import numpy.typing as npt
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from purepp._checks import check_bool, check_int
 from purepp._text import a_type
@@ -64,6 +63,7 @@ from purepp.effects.keyed import KeyedEffects
 from purepp.effects.torch_kernels import (
     TORCH_DTYPES,
     pack,
+    pad_columns,
     scatter_rows,
     section_views,
 )
@@ -958,10 +958,7 @@ class TorchInterpreter:
         source = env.lookup(effect, effect.source)
         env.check_unbound(effect, effect.out)
         self.on_stream(effect.stream)
-        # Always a new tensor, even with nothing to add: send buffers are snapshots.
-        env.buffers[effect.out] = F.pad(
-            source, (0, effect.width - source.shape[1]), value=effect.fill
-        )
+        env.buffers[effect.out] = pad_columns(source, effect.width, effect.fill)
 
     def _stack_rows(self, effect: StackRows) -> None:
         env = self.env
@@ -989,11 +986,27 @@ class TorchInterpreter:
     def _pack(self, effect: Pack) -> None:
         env = self.env
         sources = [env.lookup(effect, section.buffer) for section in effect.sections]
+        # copy_ would cast a source of another dtype silently (an int64 count past int32
+        # sent as garbage), and broadcast one of another rank: refuse both, as checked does.
+        for section, source in zip(effect.sections, sources, strict=True):
+            if source.dtype is not TORCH_DTYPES[section.dtype] or source.dim() != len(
+                section.shape
+            ):
+                self._refuse_pack(effect, sources)
         env.check_unbound(effect, effect.out)
         self.on_stream(effect.stream)
         out = torch.zeros(effect.nbytes // 8, dtype=torch.int64, device=self._device)
-        pack(out, zip(effect.sections, sources, strict=True))
+        try:
+            pack(out, zip(effect.sections, sources, strict=True))
+        except RuntimeError:  # a source larger than its section: say so, typed
+            self._refuse_pack(effect, sources)
+            raise
         env.buffers[effect.out] = out
+
+    def _refuse_pack(self, effect: Pack, sources: Sequence[torch.Tensor]) -> None:
+        """Raise checked mode's error for sources that do not fit `effect`'s sections."""
+        wanted = [TORCH_DTYPES[s.dtype] for s in effect.sections]
+        self.env.check_pack(effect, [_layout(source) for source in sources], wanted)
 
     def _unpack(self, effect: Unpack) -> None:
         env = self.env

@@ -1,5 +1,5 @@
 """The device kernels the torch interpreter and CUDA-graph capture share: dtypes, the
-packed wire's section views, packing, and the row scatter.
+packed wire's section views, packing, the column pad and the row scatter.
 
 A module of its own below both, so that capture (above the plans) need not import the
 interpreter, and no two modules import each other.
@@ -12,11 +12,20 @@ import typing
 from collections.abc import Iterable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from purepp.effects._environment import itemsize
 from purepp.effects.vocabulary import DType, Section
 
-__all__ = ["TORCH_DTYPES", "pack", "scatter_rows", "section_view", "section_views", "torch_dtype"]
+__all__ = [
+    "TORCH_DTYPES",
+    "pack",
+    "pad_columns",
+    "scatter_rows",
+    "section_view",
+    "section_views",
+    "torch_dtype",
+]
 
 
 def torch_dtype(dtype: DType) -> torch.dtype:
@@ -97,6 +106,17 @@ def pack(out: torch.Tensor, sections: Iterable[tuple[Section, torch.Tensor]]) ->
         if region.shape != source.shape:
             region = region[tuple(slice(0, size) for size in source.shape)]
         region.copy_(source)
+
+
+def pad_columns(source: torch.Tensor, width: int, fill: int) -> torch.Tensor:
+    """A new row-major tensor: `source`'s rows, padded with `fill` up to `width` columns.
+
+    Always a copy, even with nothing to add: send buffers are snapshots. Row-major too:
+    `F.pad` keeps a non-contiguous source's strides (a transposed sampler output stays
+    transposed), and a broadcast sends memory order, so each row's tokens would scatter
+    over the receivers' rows, as the seed's `.contiguous()` before its send prevents.
+    """
+    return F.pad(source, (0, width - source.shape[1]), value=fill).contiguous()
 
 
 def scatter_rows(
