@@ -444,6 +444,21 @@ class CudaGraphDispatcher:
             1,
             fix="pass None when the batch has no query-length bound",
         )
+        # A graph is looked for among the sizes at or above the tokens; a batch whose
+        # requests need more tokens than it has would be padded past every graph vLLM
+        # considers (RankBatch refuses the same).
+        if reqs > tokens:
+            raise InvalidInputError(
+                call,
+                f"num_reqs={reqs} exceeds num_tokens={tokens}",
+                "every scheduled request carries at least one token; count tokens after padding",
+            )
+        if uniform is not None and uniform * reqs > tokens:
+            raise InvalidInputError(
+                call,
+                f"uniform_token_count={uniform} x num_reqs={reqs} exceeds num_tokens={tokens}",
+                "pass the batch's own token count, or None when it is not a uniform decode",
+            )
         return reqs, tokens, uniform, active, query_len
 
 

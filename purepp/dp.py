@@ -347,6 +347,12 @@ class AgreementGroup:
             )
             for rank in ranks
         ]
+        if self.dp_rank in dead:
+            raise InvalidInputError(
+                "AgreementGroup.mark_dead",
+                f"rank={self.dp_rank} is this group's own dp_rank",
+                "mark only the other ranks dead; a rank that is itself gone agrees no more",
+            )
         return attrs.evolve(self, live_ranks=frozenset(self.live).difference(dead))
 
     def _graph_outcome(

@@ -48,7 +48,7 @@ from purepp._checks import INT32_MAX, check_instance, check_interpreter
 from purepp._text import a_type
 from purepp._trusted import trusted
 from purepp.batch import BatchFacts
-from purepp.cudagraph import BatchExecutionDescriptor, Dispatcher
+from purepp.cudagraph import BatchExecutionDescriptor, CudaGraphDispatcher, Dispatcher
 from purepp.effects.arrays import IntArray
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.vocabulary import BufferRef, DType, Effect, TensorSpec
@@ -448,6 +448,16 @@ def _check_agree(
             f"ShapeFacts.uniform_token_count={uniform} x {batch.num_reqs} rows exceeds "
             f"ShapeFacts.num_tokens={shape.num_tokens}",
             "pass the tokens per request of a uniform decode batch, else None",
+        )
+    drafter = config.drafter_dispatcher
+    if type(drafter) is CudaGraphDispatcher and batch.num_reqs > drafter.max_num_reqs:
+        # The drafter dispatches its reuse after the target's all-reduce: refused then,
+        # this rank would be one collective ahead of a group that retries the step.
+        raise InvalidInputError(
+            call,
+            f"the batch has {batch.num_reqs} rows but RankConfig.drafter_dispatcher has "
+            f"max_num_reqs={drafter.max_num_reqs}",
+            "build the drafter's dispatcher with the target's max_num_reqs, or schedule fewer",
         )
     if config.dispatcher is None and not shape.need_eager:
         # dp.start_agreement refuses it too, but would name itself and not the config.
