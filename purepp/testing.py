@@ -32,6 +32,7 @@ d = pp frees it just after its tokens were consumed (kept: the boundary case).
 from __future__ import annotations
 
 import enum
+import typing
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
@@ -870,6 +871,7 @@ def record_scripted_logs(
 # -- sequence assertions ------------------------------------------------------------------
 
 Expected: TypeAlias = "Effect | type[Effect] | Callable[[Effect], bool]"
+_EFFECT_KINDS = typing.get_args(Effect)
 
 
 def _matches(effect: Effect, expected: Expected) -> bool:
@@ -902,6 +904,17 @@ def assert_effect_sequence(actual: Sequence[Effect], expected: Sequence[Expected
                 "assert_effect_sequence",
                 f"{name} is {a_type(value)}",
                 "pass a sequence (e.g. a tuple) of effects",
+            )
+    for index, item in enumerate(expected):
+        if isinstance(item, type) and issubclass(item, _EFFECT_KINDS):
+            continue
+        if isinstance(item, type) or not (isinstance(item, _EFFECT_KINDS) or callable(item)):
+            raise InvalidInputError(
+                "assert_effect_sequence",
+                f"expected item {index} is {item!r}, none of an effect, an effect class or "
+                "a predicate",
+                "expect an effect (equal), an effect class (any of that kind), or a "
+                "callable taking an effect",
             )
     for index in range(max(len(actual), len(expected))):
         got = actual[index] if index < len(actual) else None

@@ -199,6 +199,14 @@ class _RankReplay:
         self.top_step: int | None = None  # the highest step issued
         self.last_step: int | None = None  # step of the last record issued
         self.allowed_step = -1  # steps up to this one may be issued without re-checking peers
+        # the step of the last record issued that was not an agreement started ahead
+        self.order_step = -1
+
+    def ahead(self, step: int, effect: Effect | None) -> bool:
+        """Whether the record is a later step's agreement started within this step (as the
+        simulator's `_Rank.ahead`): it neither starts its step nor waits, so it is never
+        held back, and the rank is still in the step before it."""
+        return step > self.order_step >= 0 and type(effect) is AllReduce and effect.work is not None
 
     def peek(self) -> tuple[int, str, Effect | None, int] | None:
         if self.next is None and not self.ended:
@@ -213,7 +221,7 @@ class _RankReplay:
         """Steps below this one are fully issued; None when the log ended with no record."""
         item = self.peek()
         if item is not None:
-            return item[0]
+            return self.order_step if self.ahead(item[0], item[2]) else item[0]
         return None if self.last_step is None else self.last_step + 1
 
 
@@ -379,10 +387,15 @@ class _Check:
                     return progressed
                 rank.next = item
             step, kind, effect, count = item
-            if step > rank.allowed_step:
-                if self._held_back_by(rank, step):
-                    return progressed
-                rank.allowed_step = step
+            # (The step test first spares the hot loop a call per record.)
+            if step > rank.order_step and rank.ahead(step, effect):
+                pass  # an agreement started ahead: never held back, and no step begun
+            else:
+                if step > rank.allowed_step:
+                    if self._held_back_by(rank, step):
+                        return progressed
+                    rank.allowed_step = step
+                rank.order_step = step
             rank.next = None
             rank.records += count
             if rank.top_step is None or step > rank.top_step:

@@ -35,6 +35,8 @@ from typing import Final, TypeAlias, assert_never
 
 import attrs
 
+from purepp._checks import check_instance
+from purepp._text import a_type
 from purepp.effects.vocabulary import (
     AllReduce,
     Broadcast,
@@ -46,7 +48,7 @@ from purepp.effects.vocabulary import (
     Op,
     Stream,
 )
-from purepp.errors import CollectiveMismatchError, InvalidInputError
+from purepp.errors import CollectiveMismatchError, ConfigError, InvalidInputError
 from purepp.layout import Layout
 
 __all__ = [
@@ -993,14 +995,22 @@ class Decisions:
             if len(self._notes) > _DECISION_WINDOW:
                 del self._notes[next(iter(self._notes))]
         else:
+            # A rank that notes one agreement twice counts once: its second note must not
+            # stand in for a rank yet to note (and if it differs, the rank diverged).
+            again = any(rank in ranks for ranks, _ in seen.values())
             same = seen.get(decided)
             if same is None:
                 seen[decided] = ([rank], note)
-            else:
+            elif not again:
                 same[0].append(rank)
             if len(seen) > 1:
                 self._diverged(key, seen, rank, decided, comm)
-        if sum(len(ranks) for ranks, _ in seen.values()) == len(scope):
+        noted = (
+            len(next(iter(seen.values()))[0])
+            if len(seen) == 1
+            else len({r for ranks, _ in seen.values() for r in ranks})
+        )
+        if noted == len(scope):
             del self._notes[key]  # complete
             self._groups.pop(key, None)
             self.alike += len(seen) == 1
@@ -1207,7 +1217,17 @@ def match_collectives(
     dtype, or a collective some member never posted.
     """
     call = "match_collectives"
+    if not isinstance(world, Layout):
+        raise ConfigError(call, f"world is {a_type(world)}", "pass a Layout(pp=..., dp=...)")
+    check_instance(call, "per_rank", per_rank, Mapping, fix="pass a dict of rank -> effects")
     ranks = range(world.world_size)
+    for rank, effects in per_rank.items():
+        if not isinstance(effects, Sequence):
+            raise InvalidInputError(
+                call,
+                f"rank {rank!r}'s effects are {a_type(effects)}",
+                "pass each rank's effects as a sequence (a list or a tuple)",
+            )
     if set(per_rank) != set(ranks):
         raise InvalidInputError(
             call,
