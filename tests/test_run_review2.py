@@ -32,7 +32,7 @@ from purepp.effects.vocabulary import (
     Stream,
 )
 from purepp.errors import LogFormatError
-from purepp.runner.cli import launch
+from purepp.runner.cli import launch, main
 from purepp.runner.settings import RunSettings
 
 WORLD = Layout(pp=2, dp=1)
@@ -155,3 +155,25 @@ def test_launch_without_a_run_id_writes_logs_with_a_run_id_and_a_config_digest(
     header = json.loads((logs / log_file_name(0)).read_text(encoding="ascii").splitlines()[0])
     assert header.get("config_digest") is not None, header
     assert header.get("run_id") is not None, header
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["--pp", "\uff12"], "is not a whole number"),
+        (["--pp", "1_0"], "is not a whole number"),
+        (["--steps", "\u0663"], "is not a whole number"),
+        (["--capture-sizes", "1,\uff12"], "is not a list of whole numbers"),
+    ],
+    ids=["full-width digit", "underscore", "arabic-indic digit", "a capture size"],
+)
+def test_number_options_take_ascii_decimal_digits_only(
+    capsys: pytest.CaptureFixture[str], args: list[str], problem: str
+) -> None:
+    """`--pp \\uff12` (a full-width 2) ran as pp=2, and `--pp 1_0` as 10: Python's int()
+    reads other scripts' digits and underscores, which nobody means on a command line.
+    Such a value is refused (exit 2, one line), as any other non-number is."""
+    assert main(["run", *args]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("purepp run: --"), line
+    assert problem in line, line

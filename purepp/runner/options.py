@@ -161,6 +161,15 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     add("--trace", default=None, help="write a Chrome/Perfetto trace to this file")
 
 
+def _decimal(text: str) -> int:
+    """A whole number written in ASCII decimal digits (int() also takes "1_0" and other
+    scripts' digits, which no one means on a command line)."""
+    digits = text.strip().lstrip("+-")
+    if not (digits.isascii() and digits.isdigit()):
+        raise ValueError(text)
+    return int(text)
+
+
 def _whole(
     spelling: Spelling, setting: str, value: object, *, low: int, high: int | None, fix: str
 ) -> int:
@@ -170,7 +179,7 @@ def _whole(
         number = value
     else:
         try:
-            number = int(str(value).strip())
+            number = _decimal(str(value))
         except ValueError:
             raise spelling.refuse(setting, value, "is not a whole number", fix) from None
     if number < low:
@@ -304,7 +313,7 @@ def _capture_sizes(spelling: Spelling, value: object) -> tuple[int, ...]:
         sizes: tuple[object, ...] = value
     else:
         try:
-            sizes = tuple(int(size) for size in str(value).split(","))
+            sizes = tuple(_decimal(size) for size in str(value).split(","))
         except ValueError:
             raise spelling.refuse(
                 "capture_sizes", value, "is not a list of whole numbers", fix
