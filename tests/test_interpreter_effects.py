@@ -355,26 +355,34 @@ def test_a_gather_from_a_scalar_is_refused(kind: str) -> None:
 # ---- the numpy reference's caller-side calls ----------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["read-only", "strided"])
-def test_the_numpy_reference_copies_an_array_it_cannot_bind_itself(kind: str) -> None:
-    # A writable C-contiguous array is bound itself (a scatter shows through); any other
-    # is copied, so in-place effects write the copy and never the caller's memory.
-    if kind == "read-only":
-        caller = np.zeros((4, 3), dtype=np.int64)
-        caller.flags.writeable = False
-        target = caller
-    else:
-        caller = np.zeros((4, 6), dtype=np.int64)
-        target = caller[:, ::2]  # every other column: not contiguous
+def test_the_numpy_reference_scatters_into_a_strided_array_in_place() -> None:
+    # The caller's array is bound itself, whatever its strides: a scatter writes the
+    # caller's memory, as the torch interpreter writes a strided tensor in place.
+    caller = np.zeros((4, 6), dtype=np.int64)
+    target = caller[:, ::2]  # every other column: not contiguous
     interp = NumpyInterpreter(rank=0)
     interp.bind(TOKENS, np.ones((2, 3), dtype=np.int64))
     interp.bind(COUNTS, np.array([0, 2], dtype=np.int32))
     interp.bind(WIRE, target)
     scatter = ScatterRows(**TAG, source=TOKENS, index=COUNTS, target=WIRE, stream=Stream.MAIN)
     interp.perform((scatter,))
-    assert interp.tensor(WIRE) is not target
-    assert interp.tensor(WIRE).tolist() == [[1, 1, 1], [0, 0, 0], [1, 1, 1], [0, 0, 0]]
-    assert not caller.any()  # the caller's memory is untouched
+    assert interp.tensor(WIRE) is target
+    assert target.tolist() == [[1, 1, 1], [0, 0, 0], [1, 1, 1], [0, 0, 0]]
+    assert caller[:, 1::2].sum() == 0  # the columns between are the caller's own still
+
+
+def test_the_numpy_reference_refuses_to_scatter_into_a_read_only_array() -> None:
+    # A scatter into a copy would leave the caller's array as it was, silently.
+    caller = np.zeros((4, 3), dtype=np.int64)
+    caller.flags.writeable = False
+    interp = NumpyInterpreter(rank=0)
+    interp.bind(TOKENS, np.ones((2, 3), dtype=np.int64))
+    interp.bind(COUNTS, np.array([0, 2], dtype=np.int32))
+    interp.bind(WIRE, caller)
+    scatter = ScatterRows(**TAG, source=TOKENS, index=COUNTS, target=WIRE, stream=Stream.MAIN)
+    with pytest.raises(InterpreterError, match=r"cannot take rows apart \(read-only\)"):
+        interp.perform((scatter,))
+    assert not caller.any()
 
 
 def test_the_numpy_reference_resolves_refs_by_attribute_path_to_live_arrays() -> None:

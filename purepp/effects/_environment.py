@@ -424,6 +424,22 @@ class Environment(Generic[B, E, W]):
                 "pass one source row per index entry, with the target's row shape and dtype",
             )
 
+    def check_scatter_target(
+        self, call: Call, ref: BufferRef, shape: Shape, strides: Sequence[int], writable: bool
+    ) -> None:
+        """A scatter's target can take each row apart: writable, and no element shares its
+        memory with another (an expansion's stride of 0 would let one row's write land
+        in every row)."""
+        if not writable or any(
+            stride == 0 and size > 1 for stride, size in zip(strides, shape, strict=True)
+        ):
+            self.fail(
+                call,
+                f"target {ref.name!r} cannot take rows apart "
+                f"({'read-only' if not writable else f'an expansion, strides {tuple(strides)}'})",
+                "bind a writable tensor or array with memory of its own (e.g. .clone())",
+            )
+
     def check_sections(self, call: Call, sections: Sequence[Section], nbytes: int) -> None:
         """Every section lies inside `nbytes`, aligned to its element size."""
         for section in sections:

@@ -379,9 +379,10 @@ class NumpyInterpreter:
     def bind(self, ref: BufferRef, array: npt.ArrayLike) -> None:
         """Bind the caller's array to `ref` (on the main stream), replacing any earlier binding.
 
-        A writable, C-contiguous int64 or int32 array is bound itself, so in-place
-        effects (ScatterRows) are visible to the caller; a read-only or strided one is
-        copied first; any other dtype is refused.
+        An int64 or int32 array is bound itself, whatever its strides, so in-place
+        effects (ScatterRows) write the caller's memory, as the torch interpreter writes
+        its tensors; a read-only one is refused as a ScatterRows target, a stride-0 one
+        as well; any other dtype is refused here.
         """
         call = "NumpyInterpreter.bind"
         self._env.check_rebindable(call, ref)
@@ -393,8 +394,6 @@ class NumpyInterpreter:
                 f"array for {ref.name!r} has dtype {value.dtype}",
                 _BIND_FIX,
             )
-        if not (value.flags.writeable and value.flags.c_contiguous):
-            value = np.array(value, copy=True, order="C")
         self._set(ref, _Buffer(value, Stream.MAIN), step=None, op=None)
 
     def tensor(self, ref: BufferRef) -> Array:
@@ -797,6 +796,10 @@ class NumpyInterpreter:
             index=index.array.shape,
             target=(t.shape, t.dtype),
         )
+
+        # Strides in elements, as torch gives them (numpy's are in bytes).
+        strides = [stride // t.itemsize for stride in t.strides]
+        self._env.check_scatter_target(effect, effect.target, t.shape, strides, t.flags.writeable)
 
         def run() -> None:
             slots = index.array

@@ -683,6 +683,9 @@ class TorchInterpreter:
                     index=_shape(index),
                     target=_layout(target),
                 )
+                env.check_scatter_target(
+                    effect, effect.target, _shape(target), target.stride(), writable=True
+                )
                 self._check_rows(effect)
             case Pack():
                 sources = [_layout(lookup(effect, s.buffer)) for s in effect.sections]
@@ -957,6 +960,8 @@ class TorchInterpreter:
         env = self.env
         source = env.lookup(effect, effect.source)
         env.check_unbound(effect, effect.out)
+        if source.dim() != 2 or source.shape[1] > effect.width:  # F.pad would crop it
+            env.check_pad(effect, effect.source, _shape(source), effect.width)
         self.on_stream(effect.stream)
         env.buffers[effect.out] = pad_columns(source, effect.width, effect.fill)
 
@@ -965,7 +970,11 @@ class TorchInterpreter:
         sources = [env.lookup(effect, ref) for ref in effect.sources]
         env.check_unbound(effect, effect.out)
         self.on_stream(effect.stream)
-        env.buffers[effect.out] = torch.stack(sources, dim=0)
+        try:
+            env.buffers[effect.out] = torch.stack(sources, dim=0)
+        except RuntimeError:  # a caller's rows of unequal shapes: checked mode's error
+            self._validate(effect)
+            raise
 
     def _gather_rows(self, effect: GatherRows) -> None:
         env = self.env
@@ -973,15 +982,27 @@ class TorchInterpreter:
         index = env.lookup(effect, effect.index)
         env.check_unbound(effect, effect.out)
         self.on_stream(effect.stream)
-        env.buffers[effect.out] = torch.index_select(source, 0, index)
+        try:
+            env.buffers[effect.out] = torch.index_select(source, 0, index)
+        except (RuntimeError, IndexError):  # a caller's index or rows: checked mode's error
+            self._validate(effect)
+            raise
 
     def _scatter_rows(self, effect: ScatterRows) -> None:
         env = self.env
         source = env.lookup(effect, effect.source)
         index = env.lookup(effect, effect.index)
         target = env.lookup(effect, effect.target)
+        if not target.is_contiguous():  # a caller's table: an expansion would take one row
+            env.check_scatter_target(
+                effect, effect.target, _shape(target), target.stride(), writable=True
+            )
         self.on_stream(effect.stream)
-        scatter_rows(source, index, target, skips=effect.skips)
+        try:
+            scatter_rows(source, index, target, skips=effect.skips)
+        except (RuntimeError, IndexError):  # a caller's index or table: checked mode's error
+            self._validate(effect)
+            raise
 
     def _pack(self, effect: Pack) -> None:
         env = self.env
