@@ -625,6 +625,13 @@ def start_next_agreement(
     """
     _check_agree("start_next_agreement", config, ("agreed", agreed, Agreed), batch, shape)
     _expect_steps("start_next_agreement", steps)
+    if agreed.ahead is not None:  # the lane would refuse it too, naming dp's calls
+        raise dp.LaneBusyError(
+            "start_next_agreement",
+            f"step {agreed.relay.step} already started step {agreed.ahead.step}'s agreement",
+            "start the next step's agreement once a step: finish this step, then settle "
+            "the one in flight at the top of the next",
+        )
     lanes, agreeing = yield from _start(
         config,
         agreed.lanes,
@@ -982,17 +989,32 @@ def _check_draft_table(config: RelayConfig, io: StepIO[T]) -> None:
 
 
 def perform_phase(phase: StepPhase[R], interpreter: Interpreter) -> R:
-    """Perform every effect tuple `phase` yields on `interpreter`; return its answer."""
+    """Perform every effect tuple `phase` yields on `interpreter`; return its answer.
+
+    `phase` must be fresh: one that ran (or failed) would answer nothing, or resume past
+    the effects that failed, so it is refused."""
+    return _performed(phase, interpreter, [])
+
+
+def _performed(phase: StepPhase[R], interpreter: Interpreter, handed: list[object]) -> R:
+    """`perform_phase`, noting in `handed` each effect tuple handed to the interpreter."""
     if type(phase) is not GeneratorType and not isinstance(phase, Generator):
         raise InvalidInputError(
             "perform_phase",
             f"phase is {a_type(phase)}, not a generator",
             "pass what a phase returns, e.g. perform_phase(begin(config, state), interpreter)",
         )
+    if type(phase) is GeneratorType and (phase.gi_frame is None or phase.gi_suspended):
+        raise InvalidInputError(
+            "perform_phase",
+            f"phase {phase.__name__} was run already (it ended, failed, or stopped midway)",
+            "call the phase function again for a fresh phase, from the value it takes",
+        )
     try:
         effects = next(phase)
         while True:
             if effects:
+                handed.append(effects)
                 try:
                     interpreter.perform(effects)
                 except AttributeError:  # the error path only: no cost per step
@@ -1042,6 +1064,7 @@ class RankDriver(Generic[T]):
         # The value the last phase returned: the only one the next phase may take (None
         # before the first phase, which takes any value).
         self._handed_out: RankState | Begun | Agreed | None = None
+        self._failed: str | None = None  # the call whose phase failed after issuing effects
 
     def _perform(self, call: str, given: object, phase: StepPhase[P]) -> P:
         """Perform `phase`, whose input `given` must be the value the last phase returned."""
@@ -1054,7 +1077,21 @@ class RankDriver(Generic[T]):
                 "pass each phase the value the phase before it returned, once: next, "
                 f"{_NEXT_CALLS[type(last)]} that {type(last).__name__}",
             )
-        answer = perform_phase(phase, self.interpreter)
+        if self._failed is not None:
+            raise InvalidInputError(
+                f"RankDriver.{call}",
+                f"this driver's {self._failed} failed after issuing effects, so this rank "
+                "may be a collective ahead of its group",
+                "stop the step on every rank and build new interpreters and drivers, then "
+                "run the step again from the RankState before it (as after a dead rank)",
+            )
+        handed: list[object] = []
+        try:
+            answer = _performed(phase, self.interpreter, handed)
+        except BaseException:
+            if handed:  # a refusal before any effect leaves the driver as it was
+                self._failed = call
+            raise
         self._handed_out = answer
         return answer
 

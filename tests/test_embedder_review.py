@@ -390,7 +390,7 @@ def test_each_phase_refuses_before_issuing_and_leaves_its_value_as_it_was() -> N
         ahead,
         lambda: driver.start_next(ahead, following.batch, shape_of(following)),
         dp.LaneBusyError,
-        r"lane still has the agreement of step 1",
+        r"^start_next_agreement: step 0 already started step 1.s agreement",
     )
     assert first.batch.num_reqs > 0
     world.refused(

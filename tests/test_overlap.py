@@ -282,7 +282,8 @@ def test_a_second_start_on_a_busy_lane_raises_before_issuing_anything() -> None:
     issued = len(recorder.log.effects)
 
     again = rank.start_next_agreement(config, ahead, following.batch, _shape(following))
-    with pytest.raises(dp.LaneBusyError, match=r"^start_agreement: the target lane still has"):
+    busy = r"^start_next_agreement: step \d+ already started step \d+.s agreement"
+    with pytest.raises(dp.LaneBusyError, match=busy):
         next(again)
     assert len(recorder.log.effects) == issued  # nothing issued, the first still in flight
     assert ahead.lanes.target == 1
