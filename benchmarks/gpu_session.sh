@@ -3,8 +3,10 @@
 # (fresh and persistent inputs), the floors of single calls (relay_floor), the pure calls
 # of a step on the host (pure_breakdown), DP agreement and overlap on the host CPU,
 # memory flatness, and an NCCL `purepp run` + `purepp check`.
-# Run from the repository root with OUT set to a results folder.
+# Run from the repository root; results go to $OUT (default gpu-results/, made if missing).
 set -uo pipefail
+OUT="${OUT:-gpu-results}"
+mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:."
 nvidia-smi -L
 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"

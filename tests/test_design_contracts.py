@@ -1,4 +1,4 @@
-"""DESIGN.md's numbered contracts and layering rule, each stated once as a test.
+"""The design's numbered contracts and layering rule, each stated once as a test.
 
 The layering rule held but for one pair (plan and capture imported each other); the
 device kernels they share now live below both, in purepp.effects.torch_kernels.

@@ -1,4 +1,4 @@
-"""Field failures (shared/FIELD_FAILURES.md) reproduced with the real pure steps, and caught.
+"""Field failures (the README's FF1 to FF17) reproduced with the real pure steps, and caught.
 
 Each broken variant is a small wrapper around a real pure step that alters its
 effects or its inputs the way the field bug did, swapped into the scripted rank
