@@ -486,12 +486,21 @@ class Environment(Generic[B, E, W]):
                     "pack a source of the section's dtype and rank, no larger than the section",
                 )
 
-    def check_unpack(self, effect: Unpack, nbytes: int, contiguous: bool) -> None:
-        """The source is one contiguous run of `nbytes` bytes holding every section."""
+    def check_unpack(self, effect: Unpack, nbytes: int, contiguous: bool, offset: int = 0) -> None:
+        """The source is one contiguous run of `nbytes` bytes holding every section, that
+        starts `offset` bytes into its memory, aligned for every section's dtype."""
         if not contiguous:
             self.fail(
                 effect,
                 f"packed buffer {effect.source.name!r} is not contiguous",
                 "unpack a contiguous buffer (the received wire)",
+            )
+        widest = max((itemsize(section.dtype) for section in effect.sections), default=1)
+        if offset % widest:
+            self.fail(
+                effect,
+                f"packed buffer {effect.source.name!r} starts {offset} bytes into its memory, "
+                f"not a multiple of {widest}",
+                "unpack a buffer of its own (the received wire), not a view at an odd offset",
             )
         self.check_sections(effect, effect.sections, nbytes)

@@ -641,6 +641,9 @@ def _analyse(
     `names`: the bindings of the run about to replay (default: the plan's own)."""
     names = plan.names if names is None else names
     effects = plan.effects
+    on_device = interp.device.type == "cuda"
+    if any(on_cuda is not on_device for *_, on_cuda in plan.inputs.values()):
+        return None  # a host input: its ops run on the host, which a graph does not replay
     at = {name: position for position, name in enumerate(plan.names)}
     # The segment is bounded by graph work: a CopyHostToDevice is host staging, so one
     # before the first kernel (or after the last) runs as eager runs it, with the

@@ -830,7 +830,9 @@ class NumpyInterpreter:
     def _unpack(self, effect: Unpack) -> None:
         source = self._env.lookup(effect, effect.source)
         array = source.array
-        self._env.check_unpack(effect, array.nbytes, array.flags.c_contiguous)
+        # The address past 16-byte alignment: where torch's view would start in its storage.
+        offset = array.ctypes.data % 16
+        self._env.check_unpack(effect, array.nbytes, array.flags.c_contiguous, offset)
         self._env.check_views_unbound(effect)
         # Views queue no work: each reads whatever the source holds when it is used.
         for section in effect.sections:

@@ -314,12 +314,15 @@ def roles(effects: tuple[Effect, ...], names: list[Name]) -> list[int]:
     return [found[name] for name in names]
 
 
-Layout: TypeAlias = tuple[tuple[int, ...], torch.dtype, bool]  # shape, dtype, contiguous
+# shape, dtype, contiguous, on a CUDA device
+Layout: TypeAlias = tuple[tuple[int, ...], torch.dtype, bool, bool]
 
 
 def layout(tensor: torch.Tensor) -> Layout:
-    """What a plan assumes of an input buffer: shape, dtype and contiguity."""
-    return tuple(tensor.shape), tensor.dtype, tensor.is_contiguous()
+    """What a plan assumes of an input buffer: shape, dtype, contiguity, and whether it is
+    on a CUDA device (a graph reads device memory only; eager runs a host tensor's ops on
+    the host)."""
+    return tuple(tensor.shape), tensor.dtype, tensor.is_contiguous(), tensor.is_cuda
 
 
 class Plan:
@@ -343,8 +346,8 @@ class Plan:
         # The guards, by role. Contiguity is guarded where it matters (`contiguity`): checked
         # mode checks it, and a graph reads a contiguous copy where eager may refuse a view.
         self._reads = [
-            (p, shape, dtype, contiguous if contiguity else None)
-            for p, (shape, dtype, contiguous) in sorted(inputs.items())
+            (p, shape, dtype, contiguous if contiguity else None, on_cuda)
+            for p, (shape, dtype, contiguous, on_cuda) in sorted(inputs.items())
         ]
         # Each READ position's works that the batch waits on before its first use: such a
         # table may still be in flight when the batch starts (it waits, then reads).
@@ -366,18 +369,19 @@ class Plan:
     def admits(self, env: Environment[torch.Tensor, Any, Any], names: list[Name]) -> bool:
         """Whether this run's bindings fit: every position's role, every input's layout."""
         buffers, pending = env.buffers, env.pending_results
-        for position, shape, dtype, contiguous in self._reads:
+        for position, shape, dtype, contiguous, on_cuda in self._reads:
             # A READ position always holds a BufferRef; a cast here would cost a call per read.
             tensor = buffers.get(names[position])  # type: ignore[arg-type]
             if (
                 tensor is None
                 or tensor.shape != shape
                 or tensor.dtype is not dtype
+                or tensor.is_cuda is not on_cuda
                 or (contiguous is not None and tensor.is_contiguous() is not contiguous)
             ):
                 return False
         if pending:  # rare: tables of an all-reduce in flight
-            for position, _, _, _ in self._reads:
+            for position, *_ in self._reads:
                 work = pending.get(typing.cast(BufferRef, names[position]))
                 if work is not None and all(
                     names[w] != work for w in self._waited_first.get(position, ())

@@ -694,7 +694,8 @@ class TorchInterpreter:
             case Unpack():
                 source = lookup(effect, effect.source)
                 nbytes = source.numel() * source.dtype.itemsize
-                env.check_unpack(effect, nbytes, source.is_contiguous())
+                offset = source.storage_offset() * source.dtype.itemsize
+                env.check_unpack(effect, nbytes, source.is_contiguous(), offset)
             case (
                 WaitStream()
                 | RecordEvent()
