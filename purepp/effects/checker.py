@@ -387,10 +387,9 @@ class _Check:
                     return progressed
                 rank.next = item
             step, kind, effect, count = item
-            # (The step test first spares the hot loop a call per record.)
-            if step > rank.order_step and rank.ahead(step, effect):
-                pass  # an agreement started ahead: never held back, and no step begun
-            else:
+            # An agreement started ahead is never held back and begins no step. (The step
+            # test first spares the hot loop a call per record.)
+            if not (step > rank.order_step and rank.ahead(step, effect)):
                 if step > rank.allowed_step:
                     if self._held_back_by(rank, step):
                         return progressed

@@ -1011,24 +1011,18 @@ class TorchInterpreter:
         # copy_ would cast a source of another dtype silently (an int64 count past int32
         # sent as garbage), and broadcast one of another rank: refuse both, as checked does.
         for section, source in zip(effect.sections, sources, strict=True):
-            if source.dtype is not TORCH_DTYPES[section.dtype] or source.dim() != len(
-                section.shape
-            ):
-                self._refuse_pack(effect, sources)
+            wanted = TORCH_DTYPES[section.dtype]
+            if source.dtype is not wanted or source.dim() != len(section.shape):
+                self._validate(effect)
         env.check_unbound(effect, effect.out)
         self.on_stream(effect.stream)
         out = torch.zeros(effect.nbytes // 8, dtype=torch.int64, device=self._device)
         try:
             pack(out, zip(effect.sections, sources, strict=True))
-        except RuntimeError:  # a source larger than its section: say so, typed
-            self._refuse_pack(effect, sources)
+        except RuntimeError:  # a source larger than its section: checked mode's error
+            self._validate(effect)
             raise
         env.buffers[effect.out] = out
-
-    def _refuse_pack(self, effect: Pack, sources: Sequence[torch.Tensor]) -> None:
-        """Raise checked mode's error for sources that do not fit `effect`'s sections."""
-        wanted = [TORCH_DTYPES[s.dtype] for s in effect.sections]
-        self.env.check_pack(effect, [_layout(source) for source in sources], wanted)
 
     def _unpack(self, effect: Unpack) -> None:
         env = self.env
