@@ -132,3 +132,20 @@ def store_ints(instance: object, **values: int | None) -> None:
     """Store checked ints on a frozen instance, so numpy integers become Python ints."""
     for name, value in values.items():
         object.__setattr__(instance, name, value)
+
+
+def check_requests_fit(call: str, num_reqs: int, num_tokens: int, uniform: int | None) -> None:
+    """The batch's requests fit its tokens: at least one token each, `uniform` each in a
+    uniform decode. (Checked ints; raises InvalidInputError naming `call`.)"""
+    if num_reqs > num_tokens:
+        raise InvalidInputError(
+            call,
+            f"num_reqs={num_reqs} exceeds num_tokens={num_tokens}",
+            "every scheduled request carries at least one token; count tokens after padding",
+        )
+    if uniform is not None and uniform * num_reqs > num_tokens:
+        raise InvalidInputError(
+            call,
+            f"uniform_token_count={uniform} x num_reqs={num_reqs} exceeds num_tokens={num_tokens}",
+            "pass the tokens per request of a uniform decode batch, else None",
+        )

@@ -32,7 +32,14 @@ from typing import Any, Protocol, cast
 
 import attrs
 
-from purepp._checks import INT32_MAX, check_bool, check_int, check_optional_int, store_ints
+from purepp._checks import (
+    INT32_MAX,
+    check_bool,
+    check_int,
+    check_optional_int,
+    check_requests_fit,
+    store_ints,
+)
 from purepp._text import a_type
 from purepp.errors import ConfigError, InvalidInputError
 
@@ -446,19 +453,8 @@ class CudaGraphDispatcher:
         )
         # A graph is looked for among the sizes at or above the tokens; a batch whose
         # requests need more tokens than it has would be padded past every graph vLLM
-        # considers (RankBatch refuses the same).
-        if reqs > tokens:
-            raise InvalidInputError(
-                call,
-                f"num_reqs={reqs} exceeds num_tokens={tokens}",
-                "every scheduled request carries at least one token; count tokens after padding",
-            )
-        if uniform is not None and uniform * reqs > tokens:
-            raise InvalidInputError(
-                call,
-                f"uniform_token_count={uniform} x num_reqs={reqs} exceeds num_tokens={tokens}",
-                "pass the batch's own token count, or None when it is not a uniform decode",
-            )
+        # considers.
+        check_requests_fit(call, reqs, tokens, uniform)
         return reqs, tokens, uniform, active, query_len
 
 

@@ -77,6 +77,7 @@ from purepp._checks import (
     check_bool,
     check_int,
     check_optional_int,
+    check_requests_fit,
     store_ints,
 )
 from purepp._text import a_type, with_article
@@ -561,18 +562,7 @@ def _explain_batch(instance: RankBatch) -> None:
     query_len = check_optional_int(call, "max_query_len", instance.max_query_len, 1)
     # A rank with more requests than a FULL graph's padded request count falls back
     # to eager where the others replay the graph: different shapes (field failure 11).
-    if reqs > tokens:
-        raise InvalidInputError(
-            call,
-            f"num_reqs={reqs} exceeds num_tokens={tokens}",
-            "every scheduled request carries at least one token; count tokens after padding",
-        )
-    if uniform is not None and uniform * reqs > tokens:
-        raise InvalidInputError(
-            call,
-            f"uniform_token_count={uniform} x num_reqs={reqs} exceeds num_tokens={tokens}",
-            "pass the tokens per request of a uniform decode batch, else None",
-        )
+    check_requests_fit(call, reqs, tokens, uniform)
     for name, value in (
         ("num_reqs", reqs),
         ("num_tokens", tokens),
