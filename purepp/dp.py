@@ -83,7 +83,7 @@ from purepp._checks import (
 from purepp._text import a_type, with_article
 from purepp._trusted import trusted
 from purepp.cudagraph import BatchExecutionDescriptor, CUDAGraphMode, Dispatcher
-from purepp.effects.arrays import ARRAY_EQ, IntArray, readonly, reduce_frozen
+from purepp.effects.arrays import ARRAY_EQ, IntArray, freeze_fields, readonly, reduce_frozen
 from purepp.effects.vocabulary import (
     AllReduce,
     BufferRef,
@@ -654,6 +654,31 @@ class PendingAgreement:
     # Known at the start, so the finish (on the critical path when the start overlaps
     # the forward) builds only the decision:
     release: tuple[Effect, ...]  # the finish's last effects: release the table's binding
+
+    def __attrs_post_init__(self) -> None:
+        # One built by hand (attrs.evolve of a start's) is checked here; the start builds
+        # its own with a trusted constructor.
+        for name, kinds in (
+            ("lane", (Lane,)),
+            ("group", (AgreementGroup,)),
+            ("batch", (RankBatch,)),
+            ("desired", (BatchExecutionDescriptor,)),
+            ("decided", (DispatchOutcome, type(None))),
+            ("table", (BufferRef, type(None))),
+            ("work", (WorkRef, type(None))),
+            ("contribution", (np.ndarray, type(None))),
+            ("own", (tuple,)),
+            ("release", (tuple,)),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, kinds):
+                raise InvalidInputError(
+                    "PendingAgreement",
+                    f"{name}={value!r} is {a_type(value)}",
+                    "pass the PendingAgreement start_agreement returned (or an evolve of it)",
+                )
+        check_int("PendingAgreement", "step", self.step, 0, fix="pass a decode step")
+        freeze_fields(self, "contribution")
 
 
 _PendingAgreement = trusted(PendingAgreement)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from types import GeneratorType
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import attrs
 import numpy as np
@@ -431,6 +431,14 @@ def _check_agree(
     _expect(call, *phase)
     _expect(call, "batch", batch, BatchFacts)
     _expect(call, "shape", shape, ShapeFacts)
+    given = cast(Begun | Agreed, phase[1])
+    step = given.relay.step + (type(given) is Agreed)  # start_next agrees the next step
+    if step > INT32_MAX:  # the relay's steps run on; the DP lanes take int32 steps
+        raise InvalidInputError(
+            call,
+            f"the agreement of step {step} is past the DP agreement's steps (0..{INT32_MAX})",
+            "start a new RankState (init_rank) on every rank before 2**31 steps",
+        )
     # The batch is relayed at finish, after the all-reduce: refused now, not then.
     check_batch(call, config.relay, batch)
     scheduled = int(_SUM(batch.num_scheduled_tokens))
@@ -527,7 +535,12 @@ def begin(config: RankConfig, state: RankState, steps: RankSteps = REAL_STEPS) -
         # would pass the agreement and fail only at the step's broadcast.
         check_state("begin", config.relay, state.relay)
         return _Begun(relay=state.relay, lanes=state.lanes, consumed=None, agreeing=state.agreeing)
-    taken = steps.consume(config.relay, state.relay, update_drafts=config.updates_drafts)
+    try:
+        taken = steps.consume(config.relay, state.relay, update_drafts=config.updates_drafts)
+    except InvalidInputError as error:  # the phase the caller called, not the relay step
+        if error.call != "consume_previous_step":
+            raise
+        raise InvalidInputError("begin", error.problem, error.fix) from error
     if taken.effects:
         yield taken.effects
     return _Begun(

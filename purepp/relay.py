@@ -323,6 +323,12 @@ class RelayConfig:
         call = "RelayConfig.for_stage"
         first = _strict_int(call, "first_rank", first_rank, 0)
         size = _strict_int(call, "pp_size", pp_size, 1)
+        if first + size - 1 > INT32_MAX:
+            raise ConfigError(
+                call,
+                f"first_rank={first} with pp_size={size} puts the last stage past rank {INT32_MAX}",
+                f"pass first_rank <= {INT32_MAX - size + 1}",
+            )
         if buckets is None:
             fixed = wire is Wire.FIXED
             requests = _strict_int(call, "max_num_reqs", max_num_reqs, 1)
@@ -366,19 +372,19 @@ class RelayConfig:
 
     def wire_rows(self, num_reqs: int) -> int:
         """Rows on the wire for a batch of `num_reqs`: itself, or its bucket (fixed wire)."""
-        if self.wire is not Wire.FIXED:
-            return num_reqs
-        largest = self.buckets[-1]
+        fixed = self.wire is Wire.FIXED
+        largest = self.buckets[-1] if fixed else INT32_MAX
         if type(num_reqs) is not int or not 0 <= num_reqs <= largest:
+            within = f"the largest bucket ({largest})" if fixed else f"0..{largest}"
             num_reqs = check_int(
                 "RelayConfig.wire_rows",
                 "num_reqs",
                 num_reqs,
                 0,
                 largest,
-                fix=f"pass a request count within the largest bucket ({largest})",
+                fix=f"pass a request count within {within}",
             )
-        return _bucket(self.buckets, num_reqs)
+        return _bucket(self.buckets, num_reqs) if fixed else num_reqs
 
 
 @functools.cache
@@ -411,7 +417,36 @@ class PendingReceive:
     rows: int  # wire rows: the batch's, or its bucket on the fixed wire
 
     def __attrs_post_init__(self) -> None:
+        # An entry built by hand (a restored state) is checked here; the relay's steps
+        # build theirs with a trusted constructor.
+        _check_entry_arrays(self)
         freeze_fields(self, "idx_mapping_np", "need_sampled", "generations_at_receive")
+
+
+def _check_entry_arrays(entry: PendingReceive) -> None:
+    """A ring entry's host arrays: its 1-D int32 slots, its per-row bool mask (or None)
+    and its 1-D int32 generations snapshot; a wrong dtype would be misread at consume."""
+    call = "PendingReceive"
+    slots, mask, then = entry.idx_mapping_np, entry.need_sampled, entry.generations_at_receive
+    for name, array, dtype in (
+        ("idx_mapping_np", slots, np.int32),
+        ("generations_at_receive", then, np.int32),
+        ("need_sampled", mask, np.bool_),
+    ):
+        if array is None and name == "need_sampled":
+            continue
+        if type(array) is not np.ndarray or array.dtype != dtype or array.ndim != 1:
+            raise InvalidInputError(
+                call,
+                f"{name} is {_described(array)}",
+                f"pass {name} as a 1-D {np.dtype(dtype)} numpy array (a step's own)",
+            )
+    if mask is not None and mask.shape != slots.shape:
+        raise InvalidInputError(
+            call,
+            f"need_sampled has {mask.shape[0]} rows but idx_mapping_np has {slots.shape[0]}",
+            "pass one mask entry per batch row",
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -460,6 +495,13 @@ def _check_state_fields(state: RelayState) -> None:
         )
     slots = generations.shape[0]
     for entry in ring:
+        if entry is not None and entry.generations_at_receive.shape[0] != slots:
+            raise InvalidInputError(
+                call,
+                f"the ring entry of step {entry.step} holds generations of "
+                f"{entry.generations_at_receive.shape[0]} slots, the state {slots}",
+                "pass ring entries of a state of this relay (the steps' own)",
+            )
         if entry is not None and entry.idx_mapping_np.size:
             mapping = entry.idx_mapping_np
             if int(mapping.min()) < 0 or int(mapping.max()) >= slots:
@@ -604,8 +646,11 @@ def free_request_slots(
         raise InvalidInputError(
             call, f"slots {given.tolist()} are {given.dtype}", "pass integer slot indices"
         )
-    indices = given.reshape(-1)
-    values: list[int] = indices.tolist()  # a few slots: builtins beat numpy's reductions
+    if given.ndim != 1:
+        raise InvalidInputError(
+            call, f"slots have shape {given.shape}", "pass a sequence or 1-D array of slots"
+        )
+    values: list[int] = given.tolist()  # a few slots: builtins beat numpy's reductions
     if min(values) < 0 or max(values) >= config.max_num_reqs:
         bad = next(v for v in values if not 0 <= v < config.max_num_reqs)
         raise InvalidInputError(
@@ -621,7 +666,7 @@ def free_request_slots(
         for value in values:
             generations[value] += 1
     else:
-        bumps = np.bincount(indices.astype(np.intp, copy=False), minlength=config.max_num_reqs)
+        bumps = np.bincount(given.astype(np.intp, copy=False), minlength=config.max_num_reqs)
         generations = (state.generations + bumps).astype(np.int32, copy=False)
     new_state = _RelayState(
         step=state.step,
