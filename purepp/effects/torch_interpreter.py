@@ -961,8 +961,9 @@ class TorchInterpreter:
         env = self.env
         source = env.lookup(effect, effect.source)
         env.check_unbound(effect, effect.out)
-        if source.dim() != 2 or source.shape[1] > effect.width:  # F.pad would crop it
-            env.check_pad(effect, effect.source, _shape(source), effect.width)
+        shape = source.shape
+        if len(shape) != 2 or shape[1] > effect.width:  # F.pad would crop it
+            env.check_pad(effect, effect.source, tuple(shape), effect.width)
         self.on_stream(effect.stream)
         env.buffers[effect.out] = pad_columns(source, effect.width, effect.fill)
 
