@@ -55,7 +55,7 @@ def plan_of(interp: TorchInterpreter, effects: tuple[Effect, ...]) -> Plan:
         if positions[p] == 0
     }
     handlers = [interp.handler(e) for e in effects]
-    return Plan(effects, names, positions, inputs, handlers, contiguity=True)
+    return Plan(effects, names, positions, inputs, handlers, contiguity=True, device=True)
 
 
 @pytest.fixture

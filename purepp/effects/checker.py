@@ -64,7 +64,7 @@ from purepp.effects.matching import (
     find_wait_cycle,
 )
 from purepp.effects.numpy_interpreter import describe_effect
-from purepp.effects.scheduler import LOCAL_KINDS, CollectiveHub, StreamLanes
+from purepp.effects.scheduler import LOCAL_KINDS, CollectiveHub, StreamLanes, started_ahead
 from purepp.effects.vocabulary import AllReduce, Broadcast, Effect
 from purepp.errors import ConfigError, InvalidInputError, LogFormatError
 from purepp.layout import Layout
@@ -200,13 +200,7 @@ class _RankReplay:
         self.last_step: int | None = None  # step of the last record issued
         self.allowed_step = -1  # steps up to this one may be issued without re-checking peers
         # the step of the last record issued that was not an agreement started ahead
-        self.order_step = -1
-
-    def ahead(self, step: int, effect: Effect | None) -> bool:
-        """Whether the record is a later step's agreement started within this step (as the
-        simulator's `_Rank.ahead`): it neither starts its step nor waits, so it is never
-        held back, and the rank is still in the step before it."""
-        return step > self.order_step >= 0 and type(effect) is AllReduce and effect.work is not None
+        self.order_step: int | None = None
 
     def peek(self) -> tuple[int, str, Effect | None, int] | None:
         if self.next is None and not self.ended:
@@ -221,7 +215,8 @@ class _RankReplay:
         """Steps below this one are fully issued; None when the log ended with no record."""
         item = self.peek()
         if item is not None:
-            return self.order_step if self.ahead(item[0], item[2]) else item[0]
+            ahead = started_ahead(item[2], self.order_step)
+            return self.order_step if ahead and self.order_step is not None else item[0]
         return None if self.last_step is None else self.last_step + 1
 
 
@@ -387,9 +382,9 @@ class _Check:
                     return progressed
                 rank.next = item
             step, kind, effect, count = item
-            # An agreement started ahead is never held back and begins no step. (The step
-            # test first spares the hot loop a call per record.)
-            if not (step > rank.order_step and rank.ahead(step, effect)):
+            # An agreement started ahead is never held back and begins no step. (Records
+            # that never wait come without their effect: no call for them.)
+            if effect is None or not started_ahead(effect, rank.order_step):
                 if step > rank.allowed_step:
                     if self._held_back_by(rank, step):
                         return progressed

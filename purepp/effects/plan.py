@@ -337,16 +337,18 @@ class Plan:
         handlers: list[Callable[[Any], None]],
         *,
         contiguity: bool,
+        device: bool,
     ) -> None:
         self.effects = effects  # the batch it was lowered from (capture reads its layout)
         self.names = names  # that batch's names by position
         self.roles = positions  # each position's role
         self.inputs = inputs  # the layouts of the READ positions
         self.handlers = handlers  # one per effect: the interpreter's, without validation
-        # The guards, by role. Contiguity is guarded where it matters (`contiguity`): checked
+        # The guards, by role. Contiguity and the device are guarded where they matter
+        # (`contiguity`, `device`: a graph reads device memory only). Contiguity: checked
         # mode checks it, and a graph reads a contiguous copy where eager may refuse a view.
         self._reads = [
-            (p, shape, dtype, contiguous if contiguity else None, on_cuda)
+            (p, shape, dtype, contiguous if contiguity else None, on_cuda if device else None)
             for p, (shape, dtype, contiguous, on_cuda) in sorted(inputs.items())
         ]
         # Each READ position's works that the batch waits on before its first use: such a
@@ -376,7 +378,7 @@ class Plan:
                 tensor is None
                 or tensor.shape != shape
                 or tensor.dtype is not dtype
-                or tensor.is_cuda is not on_cuda
+                or (on_cuda is not None and tensor.is_cuda is not on_cuda)
                 or (contiguous is not None and tensor.is_contiguous() is not contiguous)
             ):
                 return False
@@ -574,7 +576,9 @@ class Planner:
         interp.perform_eager(effects)
         handlers = [interp.handler(e) for e in effects]
         contiguity = interp.checked or self._capture
-        plan = Plan(effects, names, positions, inputs, handlers, contiguity=contiguity)
+        plan = Plan(
+            effects, names, positions, inputs, handlers, contiguity=contiguity, device=self._capture
+        )
         plan.identities = identities
         variants.append(plan)
         self.lowered += 1

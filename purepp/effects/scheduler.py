@@ -77,7 +77,19 @@ from purepp.effects.vocabulary import (
 )
 from purepp.layout import Layout
 
-__all__ = ["LOCAL_KINDS", "CollectiveHub", "StreamLanes"]
+__all__ = ["LOCAL_KINDS", "CollectiveHub", "StreamLanes", "started_ahead"]
+
+
+def started_ahead(effect: Effect | None, order_step: int | None) -> bool:
+    """Whether `effect` is a later step's agreement started within step `order_step` (the
+    step of the rank's last effect that was not one): an asynchronous all-reduce, which
+    neither starts its step nor waits for anything, so it is never held back."""
+    return (
+        type(effect) is AllReduce
+        and effect.work is not None
+        and order_step is not None
+        and effect.step > order_step
+    )
 
 
 class _Instance:

@@ -73,7 +73,7 @@ from purepp.effects.numpy_interpreter import (
     Stall,
     describe_effect,
 )
-from purepp.effects.scheduler import CollectiveHub
+from purepp.effects.scheduler import CollectiveHub, started_ahead
 from purepp.effects.vocabulary import (
     AllReduce,
     Communicator,
@@ -141,15 +141,8 @@ class _Rank:
         self.allowed_step = -1
 
     def ahead(self, effect: Effect) -> bool:
-        """Whether `effect` is a later step's agreement started within this step: an
-        asynchronous all-reduce, which neither starts its step nor waits for anything."""
-        order_step = self.order_step
-        return (
-            type(effect) is AllReduce
-            and effect.work is not None
-            and order_step is not None
-            and effect.step > order_step
-        )
+        """Whether `effect` is a later step's agreement started within this step."""
+        return started_ahead(effect, self.order_step)
 
     def at_step(self) -> int | None:
         """The step this rank is working on (every earlier step is fully issued); None
