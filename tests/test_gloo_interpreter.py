@@ -383,6 +383,9 @@ def test_spawn_helper_reports_a_failing_rank_with_its_traceback() -> None:
 
 
 def _fail_on_rank(failing: int, ctx: RankContext) -> int:
+    # Every rank has finished connecting before one exits: a rank that raised at once
+    # could close its gloo pairs while a peer's connect was still in flight.
+    dist.barrier()
     if ctx.rank == failing:
         raise ValueError(f"rank {ctx.rank} refuses")
     return ctx.rank
