@@ -1073,6 +1073,7 @@ def consume_previous_step(
                 target=config.inputs.draft_table,
                 stream=_MAIN,
                 skips=skips,
+                target_rows=config.max_num_reqs,  # every slot is below it
             )
         )
     outputs = _ConsumedOutputs(
@@ -1189,10 +1190,11 @@ def broadcast_sampled(
         # No row produced a token; receivers see the same mask and post nothing.
         return _Step(state, (), False)
     effects, sent = (_send_packed if packed else _send_seed)(config, state, batch)
-    # The structure follows from the configuration, the wire rows and whether any row is
-    # read (the caller's token width is an input layout, guarded by plans, not structure).
+    # The structure follows from the configuration, the wire rows and the batch's rows (a
+    # packed section declares them; the caller's token width is an input layout, guarded
+    # by plans, not structure).
     n = batch.num_reqs
-    effects = KeyedEffects(effects, ("relay.send", config, config.wire_rows(n), n == 0))
+    effects = KeyedEffects(effects, ("relay.send", config, config.wire_rows(n), n))
     new_state = _RelayState(
         step=state.step,
         ring=state.ring,
@@ -1291,7 +1293,7 @@ def _send_packed(
         return _packed_broadcast(
             config, step, effects, sections=sections, wire=wire, layout=layout, read=()
         ), tuple(made)
-    sections += _input_sections(config, rows)
+    sections += _input_sections(config, rows, n)
     read = [inputs.sampled_tokens, inputs.num_sampled, inputs.num_rejected]
     if spec:
         (gathered,) = _names(config, step, "send_draft_tokens")
@@ -1306,7 +1308,13 @@ def _send_packed(
             )
         )
         sections.append(
-            _Section(buffer=gathered, offset=layout.drafts, shape=(rows, spec), dtype=_INT64)
+            _Section(
+                buffer=gathered,
+                offset=layout.drafts,
+                shape=(rows, spec),
+                dtype=_INT64,
+                source_rows=n,  # one per entry of the caller's slot mapping
+            )
         )
         made.append(gathered)
         read += [inputs.idx_mapping, inputs.draft_table]
@@ -1315,9 +1323,10 @@ def _send_packed(
     ), tuple(made)
 
 
-@functools.lru_cache(maxsize=256)
-def _input_sections(config: RelayConfig, rows: int) -> tuple[Section, ...]:
-    """The caller's tokens and counts in a packed send: the same for every step of `rows`."""
+@functools.lru_cache(maxsize=4096)  # one entry per batch size a deployment sees
+def _input_sections(config: RelayConfig, rows: int, n: int) -> tuple[Section, ...]:
+    """The caller's tokens and counts in a packed send of `n` requests on `rows` wire rows:
+    the same for every such step. Each must have `n` rows: a short one would pack zeros."""
     layout = _packed_layout(rows, config.num_speculative_steps, config.validate_header)
     inputs = config.inputs
     return (
@@ -1326,10 +1335,21 @@ def _input_sections(config: RelayConfig, rows: int) -> tuple[Section, ...]:
             offset=layout.tokens,
             shape=(rows, config.max_sample_len),
             dtype=_INT64,
+            source_rows=n,
         ),
-        _Section(buffer=inputs.num_sampled, offset=layout.num_sampled, shape=(rows,), dtype=_INT32),
         _Section(
-            buffer=inputs.num_rejected, offset=layout.num_rejected, shape=(rows,), dtype=_INT32
+            buffer=inputs.num_sampled,
+            offset=layout.num_sampled,
+            shape=(rows,),
+            dtype=_INT32,
+            source_rows=n,
+        ),
+        _Section(
+            buffer=inputs.num_rejected,
+            offset=layout.num_rejected,
+            shape=(rows,),
+            dtype=_INT32,
+            source_rows=n,
         ),
     )
 

@@ -598,11 +598,11 @@ def header_of_another_world(path: Path, kept: int) -> None:
 
 
 def header_with_a_leading_zero(path: Path, kept: int) -> None:
-    path.write_bytes(b'{"schema": "purepp.effects/1", "rank": 01')
+    path.write_bytes(b'{"schema": "purepp.effects/2", "rank": 01')
 
 
 def header_of_a_rank_outside_the_world(path: Path, kept: int) -> None:
-    path.write_bytes(b'{"schema": "purepp.effects/1", "rank": 4, "wor')  # the first past it
+    path.write_bytes(b'{"schema": "purepp.effects/2", "rank": 4, "wor')  # the first past it
 
 
 def header_of_another_schema(path: Path, kept: int) -> None:

@@ -140,7 +140,7 @@ def sample_lines(tmp_path: Path) -> list[str]:
 def test_header_line_is_the_documented_format() -> None:
     header = LogHeader(rank=3, world=Layout(pp=2, dp=2), config={"b": 1, "a": [1, 2]})
     assert header_json(header) == (
-        '{"schema": "purepp.effects/1", "rank": 3, "world": {"pp": 2, "dp": 2}, '
+        '{"schema": "purepp.effects/2", "rank": 3, "world": {"pp": 2, "dp": 2}, '
         '"config": {"a": [1, 2], "b": 1}}'
     )
 
@@ -161,9 +161,10 @@ def test_record_lines_are_the_documented_format() -> None:
 # The fields each kind's records are written with, in SCHEMA's format. A log written
 # before a field was added, removed or renamed fails on that field, so such a change
 # bumps SCHEMA (old logs then get the version error) and regenerates the golden logs
-# (python -m tests.regen_golden). A new kind alone keeps old logs readable.
+# (python -m tests.regen_golden). A new kind alone keeps old logs readable. (2: a
+# section's source_rows and a scatter's target_rows, declared bounds eager mode checks.)
 SCHEMA_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
-    "purepp.effects/1": {
+    "purepp.effects/2": {
         "alias": ("step", "op", "source", "out"),
         "all_reduce": ("step", "op", "contribution", "result", "comm", "work"),
         "allocate": ("step", "op", "buffer", "shape", "dtype", "stream"),
@@ -190,8 +191,17 @@ SCHEMA_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
         "record_event": ("step", "op", "stream", "event"),
         "record_stream": ("step", "op", "buffer", "stream"),
         "release": ("step", "op", "buffer"),
-        "scatter_rows": ("step", "op", "source", "index", "target", "stream", "skips"),
-        "section": ("buffer", "offset", "shape", "dtype"),  # of pack and unpack
+        "scatter_rows": (
+            "step",
+            "op",
+            "source",
+            "index",
+            "target",
+            "stream",
+            "skips",
+            "target_rows",
+        ),
+        "section": ("buffer", "offset", "shape", "dtype", "source_rows"),  # of pack and unpack
         "stack_rows": ("step", "op", "sources", "out", "stream"),
         "synchronize": ("step", "op", "stream"),
         "unpack": ("step", "op", "source", "sections", "stream"),
@@ -348,9 +358,9 @@ def replace_line(line: int, text: str) -> Mutation:
 BAD_LOGS: dict[str, tuple[Mutation, int, str]] = {
     # name: (mutation, line the error must name, what it must say)
     "unknown schema": (
-        edit(1, lambda h: h.update(schema="purepp.effects/2")),
+        edit(1, lambda h: h.update(schema="purepp.effects/1")),
         1,
-        "schema 'purepp.effects/2'; this purepp reads only 'purepp.effects/1'",
+        "schema 'purepp.effects/1'; this purepp reads only 'purepp.effects/2'",
     ),
     "no schema": (edit(1, lambda h: h.pop("schema")), 1, "no schema"),
     "header unknown key": (
@@ -506,7 +516,7 @@ BAD_LOGS: dict[str, tuple[Mutation, int, str]] = {
     "two logs joined": (
         lambda lines: [*lines, *lines],
         len(SAMPLE.records) + 2,
-        r'a header \("purepp.effects/1", rank 1\) where a record belongs: two logs were joined',
+        r'a header \("purepp.effects/2", rank 1\) where a record belongs: two logs were joined',
     ),
 }
 
@@ -1301,7 +1311,7 @@ def test_assert_logs_equal_raises_the_diff() -> None:
 
 
 def test_schema_constant_is_the_documented_version() -> None:
-    assert SCHEMA == "purepp.effects/1"
+    assert SCHEMA == "purepp.effects/2"
 
 
 # -- run ids and config digests ---------------------------------------------------

@@ -43,9 +43,9 @@ def pad(step: int, source: BufferRef, out: BufferRef, width: int, stream: Stream
     )
 
 
-def int32_wire(step: int, *, misaligned: bool) -> torch.Tensor:
+def int32_wire(step: int, *, misaligned: bool, device: torch.device = CPU) -> torch.Tensor:
     """A contiguous [4] int32 wire; misaligned: one int32 into its storage (byte 4)."""
-    values = torch.arange(4, dtype=torch.int32) + 10 * step
+    values = torch.arange(4, dtype=torch.int32, device=device) + 10 * step
     if not misaligned:
         return values
     return torch.cat((values[:1], values))[1:]
@@ -70,6 +70,40 @@ def test_checked_mode_refuses_a_misaligned_wire_with_a_typed_error() -> None:
     interp.bind(IN, int32_wire(0, misaligned=True))
     with pytest.raises(PureppError, match=r"caller\.in"):
         interp.perform((unpack_int64(0),))
+
+
+def unpack_steps(interp: TorchInterpreter, misaligned: list[bool]) -> list[str]:
+    """One Unpack of IN as int64 per step, IN bound to a wire misaligned or not; for each
+    step the view's values, or the kind of error raised."""
+    seen = []
+    for step, odd in enumerate(misaligned):
+        interp.bind(IN, int32_wire(step, misaligned=odd))
+        try:
+            interp.perform((unpack_int64(step),))
+        except Exception as error:  # what kind escapes is the point
+            seen.append(type(error).__name__)
+            continue
+        seen.append(str(interp.tensor(VIEW).tolist()))
+        interp.perform((Release(**Tag(step=step, op=Op.END_STEP), buffer=VIEW),))
+    return seen
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [{}, {"plans": True}, {"plans": True, "checked": True}],
+    ids=["eager", "plan", "checked plan"],
+)
+def test_a_misaligned_wire_is_a_typed_error_in_every_mode_after_aligned_steps(
+    mode: dict[str, bool],
+) -> None:
+    """Behaviour: after two aligned steps (a plan lowered), an Unpack of a wire bound
+    4 bytes into its storage raises the typed InterpreterError checked mode raises, and
+    a later aligned step unpacks again. Before, eager and plans let torch's raw
+    RuntimeError out (a checked plan's guard admitted the view and skipped validation)."""
+    interp = TorchInterpreter(device=CPU, groups={}, rank=0, **mode)
+    seen = unpack_steps(interp, [False, False, True, False])
+    assert seen[2] == "InterpreterError"
+    assert seen[3] == str(int32_wire(3, misaligned=False).view(torch.int64)[:1].tolist())
 
 
 # ---- CUDA: real graphs -------------------------------------------------------------------
@@ -132,3 +166,42 @@ def test_gpu_a_segment_over_host_tensors_gives_each_steps_values() -> None:
     eager = TorchInterpreter(device=cuda, groups={}, rank=0)
     captured = TorchInterpreter(device=cuda, groups={}, rank=0, capture=True, capture_copies=2)
     assert device_run(captured, inputs) == device_run(eager, inputs)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_a_captured_unpack_refuses_a_misaligned_wire_as_eager_does() -> None:
+    """A captured Unpack of an int32 wire as one int64 [1, 1], padded to two columns:
+    aligned for three steps (lowered, captured, replayed), then bound 4 bytes into its
+    storage, then aligned again. Correct: the misaligned step raises eager's typed error
+    (the guard holds the input's alignment, so no replay stages it) and the next step
+    replays again. Before, the guard admitted it: the replay staged the wire into its
+    aligned static copy and failed after its graph ran."""
+    cuda = torch.device("cuda", 0)
+    steps = [False, False, False, True, False]
+    view = Section(buffer=VIEW, offset=0, shape=(1, 1), dtype=DType.INT64)
+
+    def on_cuda(interp: TorchInterpreter) -> list[str]:
+        seen = []
+        for step, odd in enumerate(steps):
+            out = BufferRef(f"step{step}.out")
+            tag = Tag(step=step, op=Op.RECEIVE)
+            unpack = Unpack(**tag, source=IN, sections=(view,), stream=Stream.MAIN)
+            interp.bind(IN, int32_wire(step, misaligned=odd, device=cuda))
+            try:
+                interp.perform((unpack, pad(step, VIEW, out, 2, Stream.MAIN)))
+            except PureppError as error:
+                seen.append(type(error).__name__)
+                continue
+            seen.append(str(interp.tensor(out).cpu().tolist()))
+            ended = Tag(step=step, op=Op.END_STEP)
+            interp.perform((Release(**ended, buffer=VIEW), Release(**ended, buffer=out)))
+        return seen
+
+    eager = TorchInterpreter(device=cuda, groups={}, rank=0)
+    captured = TorchInterpreter(device=cuda, groups={}, rank=0, capture=True, capture_copies=2)
+    want = on_cuda(eager)
+    assert want[3] == "InterpreterError"
+    assert on_cuda(captured) == want
+    assert captured.planner is not None
+    assert captured.planner.replayed >= 2

@@ -649,6 +649,7 @@ def test_consume_without_exclusion_waits_and_hands_out_the_original_mapping(
         target=DRAFTS_TARGET,
         stream=Stream.MAIN,
         skips=False,  # nothing excluded: the caller's mapping holds no -1
+        target_rows=config.max_num_reqs,  # every slot is below it
     )
     assert list(got.effects) == ([wait, scatter] if update_drafts else [wait])
     if not update_drafts:  # the default leaves the caller's draft table alone
@@ -696,6 +697,7 @@ def test_consume_marks_excluded_rows_with_a_host_copy_before_the_wait(
         index=copy.buffer,
         target=DRAFTS_TARGET,
         stream=Stream.MAIN,
+        target_rows=config.max_num_reqs,
     )
     assert out.idx_mapping == copy.buffer
     assert out.idx_mapping_np.tolist() == expected

@@ -440,8 +440,9 @@ class Environment(Generic[B, E, W]):
                 "bind a writable tensor or array with memory of its own (e.g. .clone())",
             )
 
-    def check_sections(self, call: Call, sections: Sequence[Section], nbytes: int) -> None:
-        """Every section lies inside `nbytes`, aligned to its element size."""
+    def check_sections(self, call: Pack | Unpack, sections: Sequence[Section], nbytes: int) -> None:
+        """Every section lies inside `nbytes`, aligned to its element size; a Pack
+        section's declared source rows fit its region, and an Unpack's declare none."""
         for section in sections:
             size = itemsize(section.dtype)
             end = section.offset + math.prod(section.shape) * size
@@ -458,6 +459,39 @@ class Environment(Generic[B, E, W]):
                     f"{nbytes} bytes",
                     "place each section inside the packed buffer at a multiple of its element size",
                 )
+            rows = section.source_rows
+            if rows is None:
+                continue
+            if isinstance(call, Unpack):
+                self.fail(
+                    call,
+                    f"section {section.buffer.name!r} declares source_rows={rows}",
+                    "leave source_rows None in an Unpack: its views have the section's shape",
+                )
+            if not section.shape or not 0 <= rows <= section.shape[0]:
+                self.fail(
+                    call,
+                    f"section {section.buffer.name!r} of shape {section.shape} declares "
+                    f"source_rows={rows}",
+                    "declare at most the section's own rows (None: any up to them)",
+                )
+
+    def check_target_rows(self, effect: ScatterRows, shape: Shape) -> None:
+        """The target has the rows the scatter declares its index stays below."""
+        rows = effect.target_rows
+        if rows is None:
+            return
+        if rows < 0:
+            self.fail(
+                effect, f"target_rows={rows}", "declare a bound of 0 or more (None: no bound)"
+            )
+        if not shape or shape[0] < rows:
+            self.fail(
+                effect,
+                f"target {effect.target.name!r} has shape {shape}, fewer than the "
+                f"{rows} rows the scatter's index may name",
+                f"bind a target of at least {rows} rows (the table the index was built for)",
+            )
 
     def check_pack(
         self,
@@ -484,6 +518,15 @@ class Environment(Generic[B, E, W]):
                     f"source {section.buffer.name!r} is {dtype} {shape}, which does not fit "
                     f"section {want} {section.shape}",
                     "pack a source of the section's dtype and rank, no larger than the section",
+                )
+            rows = section.source_rows
+            if rows is not None and shape[0] != rows:
+                self.fail(
+                    effect,
+                    f"source {section.buffer.name!r} has {shape[0]} rows where the section "
+                    f"declares {rows}",
+                    f"bind {section.buffer.name!r} with {rows} rows, one per batch row (the "
+                    "rows it lacks would be packed as zeros)",
                 )
 
     def check_unpack(self, effect: Unpack, nbytes: int, contiguous: bool, offset: int = 0) -> None:

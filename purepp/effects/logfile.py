@@ -2,7 +2,7 @@
 
 Line 1 is the header::
 
-    {"schema": "purepp.effects/1", "rank": 3, "world": {"pp": 2, "dp": 2}, "config": {...},
+    {"schema": "purepp.effects/2", "rank": 3, "world": {"pp": 2, "dp": 2}, "config": {...},
      "run_id": "...", "config_digest": "sha256:..."}
 
 (`run_id` and `config_digest` are written only when set, so logs without them read

@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 # The format version this package writes and the only one it reads.
-SCHEMA: Final = "purepp.effects/1"
+SCHEMA: Final = "purepp.effects/2"
 
 
 def config_digest(config: JSONObject) -> str:

@@ -800,6 +800,7 @@ class NumpyInterpreter:
         # Strides in elements, as torch gives them (numpy's are in bytes).
         strides = [stride // t.itemsize for stride in t.strides]
         self._env.check_scatter_target(effect, effect.target, t.shape, strides, t.flags.writeable)
+        self._env.check_target_rows(effect, t.shape)
 
         def run() -> None:
             slots = index.array

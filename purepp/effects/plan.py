@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import torch
 
-from purepp.effects._environment import Environment
+from purepp.effects._environment import Environment, itemsize
 from purepp.effects.keyed import KeyedEffects
 from purepp.effects.vocabulary import (
     Alias,
@@ -203,7 +203,9 @@ def _gather_rows(e: GatherRows, at: At, n: Size) -> Hashable:
 
 
 def _scatter_rows(e: ScatterRows, at: At, n: Size) -> Hashable:
-    return (16, at(e.source, n()), at(e.index, n()), at(e.target, n()), e.stream._value_, e.skips)
+    # Positions are numbered in order of first use: source, index, target.
+    source, index, target = at(e.source, n()), at(e.index, n()), at(e.target, n())
+    return (16, source, index, target, e.stream._value_, e.skips, e.target_rows)
 
 
 def _synchronize(e: Synchronize, at: At, n: Size) -> Hashable:
@@ -211,7 +213,10 @@ def _synchronize(e: Synchronize, at: At, n: Size) -> Hashable:
 
 
 def _sections(sections: tuple[Section, ...], at: At, n: Size) -> Hashable:
-    return tuple([(at(s.buffer, n()), s.offset, s.shape, s.dtype._value_) for s in sections])
+    # The declared source rows too: a replay checks no effect field, only input layouts.
+    return tuple(
+        [(at(s.buffer, n()), s.offset, s.shape, s.dtype._value_, s.source_rows) for s in sections]
+    )
 
 
 def _pack(e: Pack, at: At, n: Size) -> Hashable:
@@ -351,6 +356,14 @@ class Plan:
             (p, shape, dtype, contiguous if contiguity else None, on_cuda if device else None)
             for p, (shape, dtype, contiguous, on_cuda) in sorted(inputs.items())
         ]
+        # A captured Unpack of an input stages it whole and views the copy, so the guard
+        # also holds that the input starts aligned for its widest section, as eager needs.
+        read_at = {names[p]: p for p in inputs}
+        self._aligned = [
+            (read_at[e.source], max(itemsize(s.dtype) for s in e.sections))
+            for e in effects
+            if device and type(e) is Unpack and e.source in read_at and e.sections
+        ]
         # Each READ position's works that the batch waits on before its first use: such a
         # table may still be in flight when the batch starts (it waits, then reads).
         self._waited_first = _waited_first(effects, names)
@@ -382,6 +395,10 @@ class Plan:
                 or (contiguous is not None and tensor.is_contiguous() is not contiguous)
             ):
                 return False
+        for position, widest in self._aligned:
+            tensor = buffers[names[position]]  # type: ignore[index]
+            if tensor.storage_offset() * tensor.dtype.itemsize % widest:
+                return False  # eager's typed error
         if pending:  # rare: tables of an all-reduce in flight
             for position, *_ in self._reads:
                 work = pending.get(typing.cast(BufferRef, names[position]))

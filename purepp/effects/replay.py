@@ -471,17 +471,23 @@ class _Analysis:
         rows, rest = terms.split(target.shape, self.where)
         terms.same_shape(source.shape, terms.cons(count, rest), self.where)
         terms.same_dtype(source.dtype, target.dtype, self.where)
-        self.rows_for(rows, index, effect.index)
+        if effect.target_rows is None or index.top is not None:
+            self.rows_for(rows, index, effect.index)
+        if effect.target_rows is not None:  # the bound its index stays below, declared
+            terms.bound(rows, at_least=effect.target_rows)
         target.top = _top(source, target)
 
     def pack(self, effect: Pack) -> None:
         terms = self.terms
         for section in effect.sections:
             tensor = self.get(section.buffer)
+            dims = [terms.dim() for _ in section.shape]
+            for dim, size in zip(dims, section.shape, strict=True):
+                terms.bound(dim, at_most=size)  # a source fits its region's corner
+            if dims and section.source_rows is not None:  # with the rows it declares
+                terms.fix_size(dims[0], section.source_rows, self.where)
             region = terms.nil()
-            for size in reversed(section.shape):  # a source fits its region's corner
-                dim = terms.dim()
-                terms.bound(dim, at_most=size)
+            for dim in reversed(dims):
                 region = terms.cons(dim, region)
             terms.same_shape(tensor.shape, region, self.where)
             terms.fix_dtype(tensor.dtype, section.dtype, self.where)

@@ -686,6 +686,7 @@ class TorchInterpreter:
                 env.check_scatter_target(
                     effect, effect.target, _shape(target), target.stride(), writable=True
                 )
+                env.check_target_rows(effect, _shape(target))
                 self._check_rows(effect)
             case Pack():
                 sources = [_layout(lookup(effect, s.buffer)) for s in effect.sections]
@@ -719,7 +720,8 @@ class TorchInterpreter:
         """The index's rows are in range, where reading it costs no device sync (a host
         index). A device index is not read: a steady step never syncs the host, so there
         an index outside the rows faults the gather, and a skipping scatter writes its
-        -2 to the last row and its `rows` to the dropped spare row, silently."""
+        -2 to the last row and its `rows` to the dropped spare row, silently (a declared
+        `target_rows` catches the short table the relay's scatter could meet)."""
         env = self.env
         index = env.lookup(effect, effect.index)
         if index.device.type != "cpu":
@@ -999,6 +1001,10 @@ class TorchInterpreter:
             env.check_scatter_target(
                 effect, effect.target, _shape(target), target.stride(), writable=True
             )
+        rows = effect.target_rows
+        if rows is not None and (not target.dim() or target.shape[0] < rows):
+            # A short table: the skipping scatter's spare row would take its last slot.
+            env.check_target_rows(effect, _shape(target))
         self.on_stream(effect.stream)
         try:
             scatter_rows(source, index, target, skips=effect.skips)
@@ -1011,9 +1017,15 @@ class TorchInterpreter:
         sources = [env.lookup(effect, section.buffer) for section in effect.sections]
         # copy_ would cast a source of another dtype silently (an int64 count past int32
         # sent as garbage), and broadcast one of another rank: refuse both, as checked does.
+        # So is a source short of its declared rows (those it lacks would pack as zeros).
         for section, source in zip(effect.sections, sources, strict=True):
             wanted = TORCH_DTYPES[section.dtype]
-            if source.dtype is not wanted or source.dim() != len(section.shape):
+            rows = section.source_rows
+            if (
+                source.dtype is not wanted
+                or source.dim() != len(section.shape)
+                or (rows is not None and (not source.dim() or source.shape[0] != rows))
+            ):
                 self._validate(effect)
         env.check_unbound(effect, effect.out)
         self.on_stream(effect.stream)
@@ -1029,7 +1041,11 @@ class TorchInterpreter:
         env = self.env
         source = env.lookup(effect, effect.source)
         env.check_views_unbound(effect)
-        views = section_views(source, effect.sections)
+        try:
+            views = section_views(source, effect.sections)
+        except RuntimeError:  # a source at an offset no section's dtype can view: typed
+            self._validate(effect)
+            raise
         for section, view in zip(effect.sections, views, strict=True):
             env.buffers[section.buffer] = view
 

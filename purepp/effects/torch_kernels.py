@@ -133,7 +133,8 @@ def scatter_rows(
     rows may collide in the spare row, which is dropped; kept rows name distinct slots
     (the relay maps each slot to one row), so the result is exact, and the index never
     reaches the host. So nothing checks it here: -2 writes the table's last row and
-    `rows` the spare row (checked mode refuses both for a host index).
+    `rows` the spare row (checked mode refuses both for a host index; the handlers refuse
+    a table shorter than the scatter's declared `target_rows`, in every mode).
     """
     if not skips:
         try:

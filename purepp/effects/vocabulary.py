@@ -398,6 +398,10 @@ class ScatterRows:
     target: BufferRef  # the buffer updated in place
     stream: Stream  # stream the kernel runs on
     skips: bool = True  # False: no index entry is -1 (a plain scatter)
+    # Every index entry is below this, so the target needs at least these rows (None: not
+    # declared). The host knows the bound; a device index is never read, and a skipping
+    # scatter's spare row would take row `rows` of a short target silently.
+    target_rows: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -420,6 +424,10 @@ class Section:
     offset: int  # byte offset in the packed buffer (a multiple of 16 on the packed wire)
     shape: tuple[int, ...]  # the region's shape (a Pack source may be smaller: top-left corner)
     dtype: DType  # element type the region is read as
+    # Pack: the rows its source must have, exactly (the batch's; a fixed wire's region has
+    # its bucket's). None: any up to the region's. A short source would pack as zeros.
+    # Unpack: None.
+    source_rows: int | None = None
 
 
 @attrs.frozen(kw_only=True)
