@@ -4,8 +4,10 @@ The logs are read a record at a time, every rank's file at once, and fed through
 scheduler the simulator uses (`purepp.effects.scheduler`): one `CollectiveHub` for
 every communicator and one data-free `StreamLanes` per rank. So the checker sees what
 a per-communicator comparison cannot: two ranks taking two communicators in opposite
-orders wait on each other, and the report shows the wait-for cycle. Memory stays
-bounded because a rank may not run more than `max_steps_in_flight` steps ahead of the
+orders wait on each other, and the report shows the wait-for cycle. A broadcast blocks
+its host when the header's config names the gloo backend (`purepp run`'s default), as
+gloo's does; otherwise it holds only its stream, as NCCL's does. Memory stays bounded
+because a rank may not run more than `max_steps_in_flight` steps ahead of the
 slowest stage of its pipeline: only the records between them are held. Reading is
 fast where logs repeat themselves: a line that differs from an already validated line
 only in its digits is not validated again, and records that never wait are not built
@@ -64,8 +66,14 @@ from purepp.effects.matching import (
     find_wait_cycle,
 )
 from purepp.effects.numpy_interpreter import describe_effect
-from purepp.effects.scheduler import LOCAL_KINDS, CollectiveHub, StreamLanes, started_ahead
-from purepp.effects.vocabulary import AllReduce, Broadcast, Effect
+from purepp.effects.scheduler import (
+    LOCAL_KINDS,
+    CollectiveHub,
+    StreamLanes,
+    started_ahead,
+    waiting_at,
+)
+from purepp.effects.vocabulary import AllReduce, Broadcast, Effect, check_backend
 from purepp.errors import ConfigError, InvalidInputError, LogFormatError
 from purepp.layout import Layout
 
@@ -334,11 +342,20 @@ class _Check:
             raise ConfigError(
                 "check_logs", f"max_steps_in_flight={in_flight}", "allow at least one step"
             )
-        self._world, self._in_flight = world, in_flight
+        # The run's backend decides whether a broadcast blocks its host (gloo) or only its
+        # stream (NCCL); a log that does not say (a scripted run's) is judged as NCCL's.
+        backend = check_backend(
+            "check_logs",
+            "the backend in the logs' header config",
+            streams[0].header.config.get("backend", "nccl"),
+        )
+        self._world, self._in_flight, self._backend = world, in_flight, backend
         self._hub = CollectiveHub(world, call=_CALL, move_data=False)
         # Indexed by rank, every rank of the world, those with no log too.
         self._ranks = [
-            _RankReplay(rank, world, by_rank.get(rank), StreamLanes(rank, self._hub))
+            _RankReplay(
+                rank, world, by_rank.get(rank), StreamLanes(rank, self._hub, backend=backend)
+            )
             for rank in range(world.world_size)
         ]
         self._advancers = [r.lanes.advance for r in self._ranks]
@@ -605,7 +622,7 @@ class _Check:
                         stream=stream,
                         step=effect.step,
                         op=effect.op,
-                        waiting_at=describe_effect(effect),
+                        waiting_at=waiting_at(effect, self._backend),
                         awaited=None if culprit is None else self._hub.awaited(culprit),
                     )
                 )

@@ -16,6 +16,9 @@ docstrings), with streams modelled explicitly so that ordering bugs show up:
   with `POISON`, so reading data that was never written is visible. A kernel that
   fails when it runs (a row outside its buffer, a header mismatch) is a device
   fault, not a refusal: its outputs stay bound and it stays at its stream's head.
+- A broadcast runs as the relay's backend runs it: NCCL's (the default) is queued on
+  its stream; gloo's blocks the host (with the main stream) until it completes, as
+  the torch interpreter's wait on a gloo broadcast does.
 - Collectives go to a `CollectivePort`. Alone (the default port), only a
   one-member world is possible: a broadcast from this rank and an all-reduce of
   this rank's one-column table complete at once, and any other collective is refused.
@@ -59,6 +62,7 @@ from purepp.effects.vocabulary import (
     Alias,
     Allocate,
     AllReduce,
+    Backend,
     Broadcast,
     BufferRef,
     CheckHeader,
@@ -85,6 +89,7 @@ from purepp.effects.vocabulary import (
     WaitStream,
     WaitWork,
     WorkRef,
+    check_backend,
     effect_batch,
 )
 from purepp.errors import (
@@ -345,12 +350,19 @@ class NumpyInterpreter:
     """
 
     def __init__(
-        self, *, rank: int = 0, port: CollectivePort | None = None, fill: int = POISON
+        self,
+        *,
+        rank: int = 0,
+        port: CollectivePort | None = None,
+        fill: int = POISON,
+        backend: Backend = "nccl",
     ) -> None:
         """`rank`: this rank's global rank. `port`: where collectives go (default: a
-        world of this rank alone). `fill`: the contents of fresh buffers."""
+        world of this rank alone). `fill`: the contents of fresh buffers. `backend`:
+        what the relay's broadcasts run on ('gloo': each blocks the host)."""
         call = "NumpyInterpreter"
         rank = check_int(call, "rank", rank, 0, config=True)
+        self._backend = check_backend(call, "backend", backend)
         # int32 buffers are filled too: a fill past int32 would fail at the first Allocate.
         fill = check_int(call, "fill", fill, -INT32_MAX - 1, config=True)
         if port is not None and not all(
@@ -680,7 +692,9 @@ class NumpyInterpreter:
         )
         posted = PostedCollective(self._rank, effect, buffer.array)
         self._port.post(posted)
-        self._queue(effect.stream, _CollectiveStep(effect, posted, (buffer,)))
+        # gloo's broadcast holds the host until every member joins; NCCL's only its stream.
+        stream = Stream.MAIN if self._backend == "gloo" else effect.stream
+        self._queue(stream, _CollectiveStep(effect, posted, (buffer,)))
 
     def _check_header(self, effect: CheckHeader) -> None:
         received = self._env.lookup(effect, effect.buffer)

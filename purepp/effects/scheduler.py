@@ -44,11 +44,12 @@ from purepp.effects.matching import (
     mismatch_order,
     signature_of,
 )
-from purepp.effects.numpy_interpreter import PostedCollective
+from purepp.effects.numpy_interpreter import PostedCollective, describe_effect
 from purepp.effects.vocabulary import (
     Alias,
     Allocate,
     AllReduce,
+    Backend,
     Broadcast,
     CheckHeader,
     Communicator,
@@ -74,10 +75,11 @@ from purepp.effects.vocabulary import (
     WaitStream,
     WaitWork,
     WorkRef,
+    check_backend,
 )
 from purepp.layout import Layout
 
-__all__ = ["LOCAL_KINDS", "CollectiveHub", "StreamLanes", "started_ahead"]
+__all__ = ["LOCAL_KINDS", "CollectiveHub", "StreamLanes", "started_ahead", "waiting_at"]
 
 
 def started_ahead(effect: Effect | None, order_step: int | None) -> bool:
@@ -90,6 +92,15 @@ def started_ahead(effect: Effect | None, order_step: int | None) -> bool:
         and order_step is not None
         and effect.step > order_step
     )
+
+
+def waiting_at(effect: Effect, backend: Backend) -> str:
+    """A stuck effect in words for a deadlock report, saying why a gloo broadcast holds
+    its host (an NCCL one would only hold its stream)."""
+    text = describe_effect(effect)
+    if backend == "gloo" and type(effect) is Broadcast:
+        return f"{text}, which blocks the host on gloo until every member joins"
+    return text
 
 
 class _Instance:
@@ -429,14 +440,17 @@ class StreamLanes:
     """One rank's streams as the interpreters order them, with no data.
 
     The MAIN stream stands for the host too (as in the numpy interpreter): the host
-    is blocked while MAIN holds an effect that cannot run. `issue` never raises for a
-    wait on an unknown event or work (a log from hardware is evidence, not input to
-    validate); such a wait is done at once.
+    is blocked while MAIN holds an effect that cannot run. With `backend='gloo'` a
+    broadcast blocks the host (it is queued on MAIN), as gloo's does. `issue` never
+    raises for a wait on an unknown event or work (a log from hardware is evidence,
+    not input to validate); such a wait is done at once.
     """
 
-    def __init__(self, rank: int, hub: CollectiveHub) -> None:
+    def __init__(self, rank: int, hub: CollectiveHub, *, backend: Backend = "nccl") -> None:
         self.rank = rank
         self._hub = hub
+        # Where a broadcast is queued: the host's lane on gloo, else its own stream.
+        self._host_broadcasts = check_backend("StreamLanes", "backend", backend) == "gloo"
         self._queues: dict[Stream, deque[_Queued]] = {stream: deque() for stream in Stream}
         self._main = self._queues[Stream.MAIN]  # the host waits while this is not empty
         self._lanes = tuple(self._queues.items())  # what `advance` walks, in stream order
@@ -465,8 +479,9 @@ class StreamLanes:
             case Broadcast():
                 posted = PostedCollective(self.rank, effect, _NO_DATA)
                 self._hub.post(posted)
-                self._issued[effect.stream] += 1
-                self._queues[effect.stream].append(_Collective(effect, posted))
+                stream = Stream.MAIN if self._host_broadcasts else effect.stream
+                self._issued[stream] += 1
+                self._queues[stream].append(_Collective(effect, posted))
             case WaitStream():
                 target = self._issued[effect.waits_for]
                 self._issued[effect.stream] += 1

@@ -32,7 +32,8 @@ as every communicator:
   this cannot happen, because every peer has completed the receive's step.
 - When no rank can move and no collective can complete, the run stops with a
   `DeadlockReport` naming every stuck rank and stream, the op it waits at, and
-  the collective it comes down to.
+  the collective it comes down to. On gloo (`backend='gloo'`) a broadcast blocks
+  its host as a CPU all-reduce does; on NCCL it holds only its stream.
 - The stages of one replica agree their batch shape in separate DP groups, so
   their columns are compared too: the first agreement (by step, then replica) to
   which they contributed different columns stops the run with a
@@ -73,9 +74,10 @@ from purepp.effects.numpy_interpreter import (
     Stall,
     describe_effect,
 )
-from purepp.effects.scheduler import CollectiveHub, started_ahead
+from purepp.effects.scheduler import CollectiveHub, started_ahead, waiting_at
 from purepp.effects.vocabulary import (
     AllReduce,
+    Backend,
     Communicator,
     Effect,
     NoteDecision,
@@ -83,6 +85,7 @@ from purepp.effects.vocabulary import (
     Synchronize,
     WaitEvent,
     WaitStream,
+    check_backend,
 )
 from purepp.errors import ConfigError, InvalidInputError
 from purepp.layout import Layout
@@ -170,13 +173,15 @@ class _Simulation:
         max_steps_in_flight: int,
         fill: int,
         compare_steps: bool,
+        backend: Backend,
     ) -> None:
         self._world = world
         self._in_flight = max_steps_in_flight
+        self._backend = backend
         self._hub = CollectiveHub(world, call=_CALL, compare_steps=compare_steps)
         self._ranks: list[_Rank] = []
         for rank in range(world.world_size):
-            interpreter = NumpyInterpreter(rank=rank, port=self._hub, fill=fill)
+            interpreter = NumpyInterpreter(rank=rank, port=self._hub, fill=fill, backend=backend)
             context = RankContext(
                 rank=rank,
                 stage=world.pp_stage(rank),
@@ -308,7 +313,7 @@ class _Simulation:
             stream=stall.stream,
             step=stall.effect.step,
             op=stall.effect.op,
-            waiting_at=describe_effect(stall.effect),
+            waiting_at=waiting_at(stall.effect, self._backend),
             awaited=None if culprit is None else self._hub.awaited(culprit),
         )
 
@@ -399,6 +404,7 @@ def simulate(
     max_steps_in_flight: int | None = None,
     fill: int = POISON,
     compare_steps: bool = True,
+    backend: Backend = "nccl",
 ) -> SimulationResult:
     """Run `program` on every rank of `world` until every rank's program ends.
 
@@ -408,7 +414,10 @@ def simulate(
     ring depth the relay uses). `fill` is the contents of fresh buffers.
     `compare_steps=False` matches collectives as the wire does, ignoring the step
     labels (kind, source, shape and dtype must still agree): what a real run of a
-    program that pairs different steps would do.
+    program that pairs different steps would do. `backend` is what the relay's
+    broadcasts run on: 'nccl' queues each on its stream; 'gloo' (`purepp run`'s
+    default) blocks the issuing host until every member joins, so a broadcast and a
+    CPU all-reduce taken in crossed orders deadlock there.
 
     Raises `CollectiveReportError` (a `CollectiveMismatchError`) carrying a
     `MismatchReport`, `RingOverrunReport`, `DeadlockReport`, `StageDivergenceReport` or
@@ -433,5 +442,10 @@ def simulate(
     fill = check_int(_CALL, "fill", fill, -INT32_MAX - 1, config=True)
     compare_steps = check_bool(_CALL, "compare_steps", compare_steps, config=True)
     return _Simulation(
-        world, program, max_steps_in_flight=in_flight, fill=fill, compare_steps=compare_steps
+        world,
+        program,
+        max_steps_in_flight=in_flight,
+        fill=fill,
+        compare_steps=compare_steps,
+        backend=check_backend(_CALL, "backend", backend),
     ).run()
