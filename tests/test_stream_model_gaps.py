@@ -5,6 +5,11 @@ is only queued on its stream), so a broadcast and a CPU all-reduce taken in cros
 orders hang on gloo: the simulator with `backend='gloo'` and `purepp check` on a gloo
 run's logs report that deadlock, and a real two-process gloo world shows the hang (its
 collectives time out). The same program passes under NCCL's semantics.
+
+Gap 5: the host is a lane of its own. CUDA does not hold the host on a main-stream
+`WaitEvent`, so a host that passes one and then meets a peer's CPU all-reduce completes
+on CUDA and NCCL; only a host read of the main stream's outputs (between a program's
+yields, or between a logged run's steps, as a `.cpu()` copy) waits for the main stream.
 """
 
 from __future__ import annotations
@@ -33,8 +38,11 @@ from purepp.effects.vocabulary import (
     Communicator,
     DType,
     Effect,
+    EventRef,
     Op,
+    RecordEvent,
     Stream,
+    WaitEvent,
     WorkRef,
 )
 from purepp.errors import ConfigError, PeerFailureError
@@ -147,18 +155,7 @@ def test_a_crossed_broadcast_and_cpu_all_reduce_deadlock_on_gloo_in_both_tools(
     assert "blocks the host on gloo" in report.text
 
 
-@pytest.mark.parametrize(
-    "stream",
-    [
-        Stream.RELAY,
-        pytest.param(
-            Stream.MAIN,
-            marks=pytest.mark.xfail(
-                reason="gap 5: the host and the main stream are one lane", strict=True
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("stream", [Stream.RELAY, Stream.MAIN])
 def test_the_crossed_program_passes_on_nccl_in_both_tools(tmp_path: Path, stream: Stream) -> None:
     """On NCCL rank 0's broadcast is only queued on its stream: its host goes on to the
     all-reduce, rank 1 then posts its receive, and both complete. (A broadcast on the
@@ -285,3 +282,76 @@ def test_the_crossed_program_really_hangs_on_gloo_until_its_collectives_time_out
     assert "Broadcast step=0 op=receive" in broadcast
     assert all_reduce.startswith("PeerFailureError"), all_reduce
     assert "AllReduce step=0 op=agree" in all_reduce
+
+
+# -- gap 5: the host and the main stream are two lanes --------------------------------------
+
+
+def consume_then_agree(*, split: bool) -> Program:
+    """Rank 0 receives step 0's wire from rank 1 on the relay stream, makes the main
+    stream wait for it (an event) and agrees over PP_CPU; rank 1 agrees, then sends.
+    `split`: rank 0 agrees in a batch of its own (its program may read in between)."""
+    event = EventRef("received.0")
+    receive: tuple[Effect, ...] = (
+        *wire(0, 1),
+        RecordEvent(step=0, op=Op.RECEIVE, stream=Stream.RELAY, event=event),
+        WaitEvent(step=0, op=Op.CONSUME, stream=Stream.MAIN, event=event),
+    )
+    rank0 = [receive, (agree(0),)] if split else [(*receive, agree(0))]
+    return [rank0, [(agree(0), wire(0, 1)[1])]]
+
+
+def run_consume_then_agree(*, split: bool) -> None:
+    """`consume_then_agree` in the simulator (rank 1 binds what it sends)."""
+
+    def run(context: RankContext) -> Iterator[tuple[Effect, ...]]:
+        if context.rank == 1:
+            context.interpreter.bind(BufferRef("wire.0"), np.array([7, 8, 9], dtype=np.int64))
+        yield from consume_then_agree(split=split)[context.rank]
+        if context.rank == 0:
+            received.append(context.interpreter.host_array(BufferRef("wire.0")).tolist())
+
+    received: list[list[int]] = []
+    simulate(WORLD, run)
+    assert received == [[7, 8, 9]]  # read once the main stream had waited for it
+
+
+def test_a_host_past_a_main_stream_wait_meets_the_peers_all_reduce_on_nccl(
+    tmp_path: Path,
+) -> None:
+    """CUDA queues the main-stream wait and the host goes on to the CPU all-reduce,
+    which rank 1 joins before it sends: the run completes in both tools, and rank 0
+    reads the sent values after its program's last yield."""
+    run_consume_then_agree(split=False)
+    report = checked(tmp_path, consume_then_agree(split=False), backend="nccl")
+    assert report.ok, report.text
+
+
+def test_the_main_streams_wait_holds_a_program_that_reads_before_it_agrees() -> None:
+    """The same ranks, but rank 0's program may read what the main stream waited for
+    before its all-reduce (it yields in between): that read waits for the relay
+    broadcast, which rank 1 sends only after the all-reduce. The simulator reports the
+    deadlock, rank 0 waiting on its main stream, rank 1 on its host. (A log does not
+    show where a run's host read within a step: the checker waits for the main stream
+    only between steps, and steps never go back, so no such cycle spans two steps.)"""
+    with pytest.raises(CollectiveReportError) as raised:
+        run_consume_then_agree(split=True)
+    found = raised.value.report
+    assert isinstance(found, DeadlockReport)
+    assert found.cycle is not None
+    where = {(w.rank, w.stream, w.host): w.describe() for w in found.waiters}
+    assert where[0, Stream.MAIN, False].startswith(
+        "rank 0 [main stream] waits at step 0 (consume) on wait_event('received.0' on main)"
+    )
+    assert where[1, Stream.MAIN, True].startswith(
+        "rank 1 [host] waits at step 0 (agree) on all_reduce"
+    )
+
+
+def test_on_gloo_the_receive_itself_holds_the_host_before_the_all_reduce(tmp_path: Path) -> None:
+    """On gloo rank 0's host waits in the receive, before its all-reduce: a deadlock
+    in both tools even within one batch."""
+    program = consume_then_agree(split=False)
+    assert isinstance(simulated(program, backend="gloo"), DeadlockReport)
+    report = checked(tmp_path, program, backend="gloo")
+    assert isinstance(report.finding, DeadlockReport), report.text

@@ -3,11 +3,14 @@
 It gives every effect the meaning the torch interpreter gives it (the vocabulary's
 docstrings), with streams modelled explicitly so that ordering bugs show up:
 
-- The host and the main stream advance together: a main-stream effect runs when
-  it is issued, and a main-stream wait on unfinished side-stream work blocks the
-  host. (A real host would run on and queue more main-stream kernels; blocking is
-  the conservative model, and it is what lets the simulator see the wait.)
-- A side stream (RELAY) is a FIFO of pending effects. An effect queued behind a
+- The host is a lane of its own: it waits only where a real host does (a CPU
+  all-reduce, `WaitWork`, `Synchronize`, a gloo broadcast), and issues nothing
+  more until that completes (`host_blocked`). A main-stream wait on unfinished
+  side-stream work holds the main stream, not the host, as on CUDA; reading a
+  buffer from the host (`tensor`, `host_array`) is the caller's to order, as a
+  `.cpu()` copy waits for the main stream (the simulator resumes a program only once
+  its main stream has drained, `main_idle`).
+- Every stream (MAIN, RELAY) is a FIFO of pending effects. An effect queued behind a
   broadcast that has not completed waits, as it would on a CUDA stream; so does
   the event recorded after it.
 - References are resolved and output buffers bound when an effect is issued, as
@@ -17,7 +20,7 @@ docstrings), with streams modelled explicitly so that ordering bugs show up:
   fails when it runs (a row outside its buffer, a header mismatch) is a device
   fault, not a refusal: its outputs stay bound and it stays at its stream's head.
 - A broadcast runs as the relay's backend runs it: NCCL's (the default) is queued on
-  its stream; gloo's blocks the host (with the main stream) until it completes, as
+  its stream; gloo's blocks the host until it completes, as
   the torch interpreter's wait on a gloo broadcast does.
 - Collectives go to a `CollectivePort`. Alone (the default port), only a
   one-member world is possible: a broadcast from this rank and an all-reduce of
@@ -32,7 +35,7 @@ docstrings), with streams modelled explicitly so that ordering bugs show up:
   `RecordStream`, its memory may be reused at once: the array is overwritten
   with `POISON` and the interpreter notes a `LifetimeViolation`.
 
-- `Synchronize` makes the host wait with the main stream until the named stream has
+- `Synchronize` makes the host wait until the named stream has
   run what it holds (the torch interpreter waits on the CUDA stream; on CPU it has
   nothing to wait for). `Pack` is a kernel on its stream; `Unpack` binds views of the
   source's bytes at issue (no work), which share its memory and lifetime.
@@ -337,9 +340,10 @@ class _Lane:
 class Stall:
     """The head of a stream that cannot run yet, and the collective it comes down to."""
 
-    stream: Stream  # the stuck stream (MAIN: the host waits with it)
+    stream: Stream  # the stuck stream (MAIN when `host`)
     effect: Effect  # the effect at its head
     culprit: PostedCollective | None  # the unfinished collective it waits for, if any
+    host: bool = False  # the host itself waits (it issues nothing more), not a stream
 
 
 class NumpyInterpreter:
@@ -380,6 +384,13 @@ class NumpyInterpreter:
             "NumpyInterpreter"
         )
         self._lanes: dict[Stream, _Lane] = {stream: _Lane() for stream in Stream}
+        # The host's own waits: it issues nothing while one is pending.
+        self._host = _Lane()
+        # What `advance` and `stalls` walk: the host (None), then every stream.
+        self._walk: tuple[tuple[Stream | None, _Lane], ...] = (
+            (None, self._host),
+            *self._lanes.items(),
+        )
         self._violations: list[LifetimeViolation] = []
 
     # ---- the caller's side -------------------------------------------------------------
@@ -445,8 +456,8 @@ class NumpyInterpreter:
         batch = effect_batch(call, effects)  # whole, so a stranger issues nothing
         for effect in batch:
             self.issue(effect)
-            if self.host_blocked():
-                stall = self.stalls()[0]
+            if self.host_blocked() or (effect is batch[-1] and not self.main_idle()):
+                stall = self.stalls()[0]  # the host's, else the main stream's
                 raise InterpreterError(
                     _describe(effect),
                     f"the host waits on {describe_effect(stall.effect)}, which needs other ranks",
@@ -456,17 +467,23 @@ class NumpyInterpreter:
     # ---- the driver's side (the simulator) -----------------------------------------------
 
     def host_blocked(self) -> bool:
-        """Whether the host waits: the main stream has an effect that cannot run yet."""
-        return bool(self._lanes[Stream.MAIN].queue)
+        """Whether the host waits (a CPU all-reduce, WaitWork, Synchronize, a gloo
+        broadcast) for something that cannot complete yet."""
+        return bool(self._host.queue)
+
+    def main_idle(self) -> bool:
+        """Whether the main stream has run everything issued to it: a host read (as a
+        `.cpu()` copy) would not wait."""
+        return not self._lanes[Stream.MAIN].queue
 
     def idle(self) -> bool:
         """Whether every issued effect has run."""
-        return not any(lane.queue for lane in self._lanes.values())
+        return not any(lane.queue for _, lane in self._walk)
 
     def issue(self, effect: Effect) -> None:
         """Validate one effect, bind its outputs, queue it on its stream, run what can run."""
         if self.host_blocked():
-            head = self._lanes[Stream.MAIN].queue[0].effect
+            head = self._host.queue[0].effect
             raise InterpreterError(
                 _describe(effect),
                 f"the host is still waiting on {describe_effect(head)}",
@@ -481,7 +498,7 @@ class NumpyInterpreter:
         moved = True
         while moved:
             moved = False
-            for stream, lane in self._lanes.items():
+            for stream, lane in self._walk:
                 while lane.queue:
                     try:
                         if not self._try_run(lane.queue[0]):
@@ -496,18 +513,26 @@ class NumpyInterpreter:
                     moved = progressed = True
         return progressed
 
-    def _done(self, stream: Stream, lane: _Lane) -> None:
-        """The head of `stream`'s queue has run: pop it and release what it touched."""
+    def _done(self, stream: Stream | None, lane: _Lane) -> None:
+        """The head of `stream`'s queue (None: the host's) has run: pop it and release
+        what it touched."""
         done = lane.queue.popleft()
-        for buffer in done.touches:
-            buffer.memory.pending[stream] -= 1
+        if stream is not None:  # the host's waits touch no buffer
+            for buffer in done.touches:
+                buffer.memory.pending[stream] -= 1
         lane.ran += 1
 
     def stalls(self) -> tuple[Stall, ...]:
-        """Each stream whose head cannot run yet, with the collective it waits for."""
+        """The host's wait, then each stream whose head cannot run yet, with the
+        collective it waits for."""
         return tuple(
-            Stall(stream=stream, effect=lane.queue[0].effect, culprit=self._culprit(stream, set()))
-            for stream, lane in self._lanes.items()
+            Stall(
+                stream=Stream.MAIN if stream is None else stream,
+                effect=lane.queue[0].effect,
+                culprit=self._culprit(stream, set()),
+                host=stream is None,
+            )
+            for stream, lane in self._walk
             if lane.queue
         )
 
@@ -560,9 +585,9 @@ class NumpyInterpreter:
             case ScatterRows():
                 self._scatter_rows(effect)
             case Synchronize():
-                # The host waits with the main stream until `stream` has run what it holds.
+                # The host waits until `stream` has run what it holds.
                 target = self._lanes[effect.stream].issued
-                self._queue(Stream.MAIN, _StreamWait(effect, effect.stream, target))
+                self._queue(None, _StreamWait(effect, effect.stream, target))
             case Pack():
                 self._pack(effect)
             case Unpack():
@@ -602,10 +627,15 @@ class NumpyInterpreter:
     def _fresh(self, shape: tuple[int, ...], dtype: np.dtype[Any], home: Stream) -> _Buffer:
         return _Buffer(np.full(shape, self._fill, dtype=dtype), home)
 
-    def _queue(self, stream: Stream, item: _Queued) -> None:
-        lane = self._lanes[stream]
-        for buffer in item.touches:
-            buffer.memory.pending[stream] += 1
+    def _queue(self, stream: Stream | None, item: _Queued) -> None:
+        """Queue `item` on `stream`, or on the host's lane (None)."""
+        if stream is None:
+            # The host issues nothing until it completes: no release can race its buffers.
+            lane = self._host
+        else:
+            lane = self._lanes[stream]
+            for buffer in item.touches:
+                buffer.memory.pending[stream] += 1
         lane.queue.append(item)
         lane.issued += 1
 
@@ -626,9 +656,10 @@ class NumpyInterpreter:
             case _:
                 typing.assert_never(item)
 
-    def _culprit(self, stream: Stream, seen: set[Stream]) -> PostedCollective | None:
-        """The unfinished collective that the head of `stream` comes down to."""
-        lane = self._lanes[stream]
+    def _culprit(self, stream: Stream | None, seen: set[Stream]) -> PostedCollective | None:
+        """The unfinished collective that the head of `stream` (None: the host's lane)
+        comes down to."""
+        lane = self._host if stream is None else self._lanes[stream]
         if not lane.queue or stream in seen:
             return None
         head = lane.queue[0]
@@ -636,7 +667,7 @@ class NumpyInterpreter:
             case _CollectiveStep() | _WorkWait():
                 return None if head.posted.done else head.posted
             case _StreamWait():
-                return self._culprit(head.on, seen | {stream})
+                return self._culprit(head.on, seen if stream is None else seen | {stream})
             case _Kernel():
                 return None
             case _:
@@ -693,7 +724,7 @@ class NumpyInterpreter:
         posted = PostedCollective(self._rank, effect, buffer.array)
         self._port.post(posted)
         # gloo's broadcast holds the host until every member joins; NCCL's only its stream.
-        stream = Stream.MAIN if self._backend == "gloo" else effect.stream
+        stream = None if self._backend == "gloo" else effect.stream
         self._queue(stream, _CollectiveStep(effect, posted, (buffer,)))
 
     def _check_header(self, effect: CheckHeader) -> None:
@@ -731,7 +762,7 @@ class NumpyInterpreter:
         self._set(effect.result, table, step=effect.step, op=effect.op)
         if effect.work is None:
             # Synchronous on the CPU group: the host waits for it.
-            self._queue(Stream.MAIN, _CollectiveStep(effect, posted, ()))
+            self._queue(None, _CollectiveStep(effect, posted, ()))
             return
         self._env.start_work(effect.work, posted, effect.result)
         # Gloo runs it on its own thread: it never waits behind a stream.
@@ -741,7 +772,7 @@ class NumpyInterpreter:
     def _wait_work(self, effect: WaitWork) -> None:
         posted, _ = self._env.work(effect, effect.work)
         self._env.end_work(effect.work)
-        self._queue(Stream.MAIN, _WorkWait(effect, posted))
+        self._queue(None, _WorkWait(effect, posted))
 
     # ---- device-side data moves ------------------------------------------------------------
 
