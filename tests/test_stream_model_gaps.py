@@ -10,6 +10,11 @@ Gap 5: the host is a lane of its own. CUDA does not hold the host on a main-stre
 `WaitEvent`, so a host that passes one and then meets a peer's CPU all-reduce completes
 on CUDA and NCCL; only a host read of the main stream's outputs (between a program's
 yields, or between a logged run's steps, as a `.cpu()` copy) waits for the main stream.
+
+Gap 7: a buffer released without `RecordStream` while another stream's use of it is not
+ordered before the release (no event or stream wait of its home stream, no host
+synchronize after the use) may be reused under that use: the numpy model flags it by
+that order, whether or not the use has run in the model yet.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch.distributed as dist
 from purepp.effects.checker import EXIT_UNUSABLE, CheckReport, check_logs
 from purepp.effects.log import EffectLog, LogHeader, Recorder, dump_logs
 from purepp.effects.matching import CollectiveReportError, DeadlockReport, Report
-from purepp.effects.numpy_interpreter import NumpyInterpreter
+from purepp.effects.numpy_interpreter import LifetimeViolation, NumpyInterpreter
 from purepp.effects.simulator import RankContext, simulate
 from purepp.effects.torch_interpreter import TorchInterpreter, build_communicators
 from purepp.effects.vocabulary import (
@@ -36,13 +41,18 @@ from purepp.effects.vocabulary import (
     Broadcast,
     BufferRef,
     Communicator,
+    CopyHostToDevice,
     DType,
     Effect,
     EventRef,
+    GatherRows,
     Op,
     RecordEvent,
+    Release,
     Stream,
+    Synchronize,
     WaitEvent,
+    WaitStream,
     WorkRef,
 )
 from purepp.errors import ConfigError, PeerFailureError
@@ -355,3 +365,87 @@ def test_on_gloo_the_receive_itself_holds_the_host_before_the_all_reduce(tmp_pat
     assert isinstance(simulated(program, backend="gloo"), DeadlockReport)
     report = checked(tmp_path, program, backend="gloo")
     assert isinstance(report.finding, DeadlockReport), report.text
+
+
+# -- gap 7: a release is judged by order, not by what the model has run ---------------------
+
+SOURCE, INDEX, OUT = BufferRef("source"), BufferRef("index"), BufferRef("out")
+
+
+def gathered_on_main() -> tuple[Effect, ...]:
+    """A relay-stream buffer read on the main stream (which waits for the relay first):
+    the read runs at once in the model."""
+    return (
+        CopyHostToDevice(
+            step=0, op=Op.RECEIVE, source=np.array([[1, 2]]), buffer=SOURCE, stream=Stream.RELAY
+        ),
+        CopyHostToDevice(
+            step=0, op=Op.RECEIVE, source=np.array([0]), buffer=INDEX, stream=Stream.MAIN
+        ),
+        WaitStream(step=0, op=Op.CONSUME, stream=Stream.MAIN, waits_for=Stream.RELAY),
+        GatherRows(step=0, op=Op.CONSUME, source=SOURCE, index=INDEX, out=OUT, stream=Stream.MAIN),
+    )
+
+
+RELEASE = Release(step=0, op=Op.CONSUME, buffer=SOURCE)
+
+
+def test_a_release_unordered_after_a_use_that_has_run_is_a_violation() -> None:
+    """The main stream's read has run in the model, but nothing orders it before the
+    relay stream's next allocation (on CUDA the host may be far ahead of the device):
+    releasing the buffer without RecordStream is a violation naming the main stream."""
+    interp = NumpyInterpreter()
+    interp.perform((*gathered_on_main(), RELEASE))
+    assert interp.lifetime_violations == (
+        LifetimeViolation(buffer=SOURCE, step=0, op=Op.CONSUME, used_on=(Stream.MAIN,)),
+    )
+
+
+def ordered_after_the_read() -> list[tuple[str, tuple[Effect, ...]]]:
+    done = EventRef("read")
+    return [
+        (
+            "an event the relay stream waits on",
+            (
+                RecordEvent(step=0, op=Op.CONSUME, stream=Stream.MAIN, event=done),
+                WaitEvent(step=0, op=Op.CONSUME, stream=Stream.RELAY, event=done),
+            ),
+        ),
+        (
+            "the relay stream waiting for the main stream",
+            (WaitStream(step=0, op=Op.CONSUME, stream=Stream.RELAY, waits_for=Stream.MAIN),),
+        ),
+        ("a host synchronize", (Synchronize(step=0, op=Op.CONSUME, stream=Stream.MAIN),)),
+        (
+            # The event is recorded on the relay stream after its wait for the main
+            # stream: waiting on it orders the read before too (order is transitive).
+            "an event recorded after a wait on the main stream",
+            (
+                WaitStream(step=0, op=Op.CONSUME, stream=Stream.RELAY, waits_for=Stream.MAIN),
+                RecordEvent(step=0, op=Op.CONSUME, stream=Stream.RELAY, event=done),
+                WaitEvent(step=0, op=Op.CONSUME, stream=Stream.RELAY, event=done),
+            ),
+        ),
+    ]
+
+
+@pytest.mark.parametrize(("how", "order"), ordered_after_the_read(), ids=lambda v: str(v)[:40])
+def test_a_release_ordered_after_the_other_streams_use_is_fine(
+    how: str, order: tuple[Effect, ...]
+) -> None:
+    """Once the home stream (or the host) is ordered after the read, a reuse cannot
+    overwrite it: no violation, without RecordStream."""
+    interp = NumpyInterpreter()
+    interp.perform((*gathered_on_main(), *order, RELEASE))
+    assert interp.lifetime_violations == (), how
+    assert interp.tensor(OUT).tolist() == [[1, 2]]
+
+
+def test_a_use_after_the_wait_is_not_covered_by_it() -> None:
+    """The relay stream waited for the main stream before the read was queued: that
+    orders nothing after the read, so the release is still a violation."""
+    interp = NumpyInterpreter()
+    early = WaitStream(step=0, op=Op.CONSUME, stream=Stream.RELAY, waits_for=Stream.MAIN)
+    setup, read = gathered_on_main()[:3], gathered_on_main()[3]
+    interp.perform((*setup, early, read, RELEASE))
+    assert [v.used_on for v in interp.lifetime_violations] == [(Stream.MAIN,)]

@@ -30,10 +30,13 @@ docstrings), with streams modelled explicitly so that ordering bugs show up:
   has completed, and a mismatch raises `HeaderMismatchError` (naming this rank, the
   step and both headers) from whichever call ran it; in the simulator the run stops.
 - Buffer lifetimes follow the caching allocator: a buffer belongs to the pool of
-  the stream it was made on. When its last name is released while an unfinished
-  effect on another stream still uses it, and that stream was not recorded with
-  `RecordStream`, its memory may be reused at once: the array is overwritten
-  with `POISON` and the interpreter notes a `LifetimeViolation`.
+  the stream it was made on, and a later allocation there is ordered only after
+  what that stream waited for (events, `WaitStream`) and what the host synchronised
+  with (`Synchronize`). When its last name is released while a use on another
+  stream is not ordered before that point, and that stream was not recorded with
+  `RecordStream`, its memory may be reused under the use, whether or not the model
+  has run it yet: the array is overwritten with `POISON` and the interpreter notes
+  a `LifetimeViolation`.
 
 - `Synchronize` makes the host wait until the named stream has
   run what it holds (the torch interpreter waits on the CUDA stream; on CPU it has
@@ -50,7 +53,7 @@ from __future__ import annotations
 
 import math
 import typing
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Final, Protocol, TypeAlias
 
@@ -266,7 +269,8 @@ class _Buffer:
         self.home = home  # the stream whose allocation pool owns the memory
         self.recorded: set[Stream] = set()  # streams named by RecordStream
         self.names = 0  # environment names bound to it (and to its views)
-        self.pending: Counter[Stream] = Counter()  # queued, unfinished effects using it, by stream
+        # By stream: the position (1-based, in its issue order) of its last effect using it.
+        self.uses: dict[Stream, int] = {}
 
 
 @attrs.frozen(kw_only=True)
@@ -276,7 +280,7 @@ class LifetimeViolation:
     buffer: BufferRef  # the name whose release (or rebinding) freed it
     step: int | None  # step of the Release; None when the caller's `bind` replaced it
     op: Op | None  # operation that emitted the Release; None for a `bind`
-    used_on: tuple[Stream, ...]  # streams with unfinished effects on it, not recorded
+    used_on: tuple[Stream, ...]  # streams whose use is not ordered before it, not recorded
 
 
 @attrs.frozen(kw_only=True)
@@ -285,6 +289,8 @@ class _EventMark:
 
     stream: Stream  # the stream it was recorded on
     target: int  # how many effects that stream must have run
+    # By stream: how many of its effects are ordered before the record (`_point`).
+    clock: dict[Stream, int] = attrs.field(eq=False, hash=False)
 
 
 @attrs.define(eq=False)
@@ -334,6 +340,9 @@ class _Lane:
         self.queue: deque[_Queued] = deque()
         self.issued = 0  # effects ever queued
         self.ran = 0  # effects ever run
+        # By other stream: how many of its effects are ordered before this lane's next
+        # one (what it waited for; for the host, what it synchronised with).
+        self.clock: dict[Stream, int] = {}
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -498,7 +507,7 @@ class NumpyInterpreter:
         moved = True
         while moved:
             moved = False
-            for stream, lane in self._walk:
+            for _, lane in self._walk:
                 while lane.queue:
                     try:
                         if not self._try_run(lane.queue[0]):
@@ -507,19 +516,15 @@ class NumpyInterpreter:
                         # A kernel that refused its data (an index out of range) is done,
                         # having written nothing: the stream goes on, as checked torch's
                         # refusal before the kernel leaves it.
-                        self._done(stream, lane)
+                        self._done(lane)
                         raise
-                    self._done(stream, lane)
+                    self._done(lane)
                     moved = progressed = True
         return progressed
 
-    def _done(self, stream: Stream | None, lane: _Lane) -> None:
-        """The head of `stream`'s queue (None: the host's) has run: pop it and release
-        what it touched."""
-        done = lane.queue.popleft()
-        if stream is not None:  # the host's waits touch no buffer
-            for buffer in done.touches:
-                buffer.memory.pending[stream] -= 1
+    def _done(self, lane: _Lane) -> None:
+        """The head of `lane`'s queue has run."""
+        lane.queue.popleft()
         lane.ran += 1
 
     def stalls(self) -> tuple[Stall, ...]:
@@ -545,8 +550,7 @@ class NumpyInterpreter:
     def _issue(self, effect: Effect) -> None:
         match effect:
             case WaitStream():
-                target = self._lanes[effect.waits_for].issued
-                self._queue(effect.stream, _StreamWait(effect, effect.waits_for, target))
+                self._wait_stream(effect)
             case RecordEvent():
                 self._record_event(effect)
             case WaitEvent():
@@ -585,9 +589,7 @@ class NumpyInterpreter:
             case ScatterRows():
                 self._scatter_rows(effect)
             case Synchronize():
-                # The host waits until `stream` has run what it holds.
-                target = self._lanes[effect.stream].issued
-                self._queue(None, _StreamWait(effect, effect.stream, target))
+                self._synchronize(effect)
             case Pack():
                 self._pack(effect)
             case Unpack():
@@ -613,12 +615,17 @@ class NumpyInterpreter:
         buffer.names -= 1
         if buffer.names:
             return
-        # The memory goes back to its stream's pool. Use on the same stream is ordered
-        # before any reuse; use on another stream is safe only if recorded.
+        # The memory goes back to its stream's pool: a reuse is ordered after that
+        # stream's point now. Use on the same stream is before it; use on another is
+        # safe if ordered before it (an event or stream wait, a host synchronize) or
+        # recorded.
+        reuse = self._point(buffer.home)
         unsafe = tuple(
             stream
-            for stream, count in buffer.pending.items()
-            if count > 0 and stream is not buffer.home and stream not in buffer.recorded
+            for stream, at in buffer.uses.items()
+            if stream is not buffer.home
+            and stream not in buffer.recorded
+            and reuse.get(stream, 0) < at
         )
         if unsafe:
             buffer.array.fill(self._fill)
@@ -635,9 +642,23 @@ class NumpyInterpreter:
         else:
             lane = self._lanes[stream]
             for buffer in item.touches:
-                buffer.memory.pending[stream] += 1
+                buffer.memory.uses[stream] = lane.issued + 1
         lane.queue.append(item)
         lane.issued += 1
+
+    def _point(self, stream: Stream) -> dict[Stream, int]:
+        """How many of each stream's effects an effect issued on `stream` now is ordered
+        after: what `stream` waited for, what the host synchronised with, and `stream`'s
+        own effects so far."""
+        lane = self._lanes[stream]
+        point = _later(lane.clock, self._host.clock)
+        point[stream] = lane.issued
+        return point
+
+    def _order_after(self, stream: Stream, point: dict[Stream, int]) -> None:
+        """What `stream` runs from now on waits for `point` (an event or stream wait)."""
+        lane = self._lanes[stream]
+        lane.clock = _later(lane.clock, point)
 
     def _try_run(self, item: _Queued) -> bool:
         match item:
@@ -678,13 +699,24 @@ class NumpyInterpreter:
     def _record_event(self, effect: RecordEvent) -> None:
         self._env.check_recordable(effect, effect.event)
         target = self._lanes[effect.stream].issued
-        self._env.record_event(
-            effect, effect.event, _EventMark(stream=effect.stream, target=target)
-        )
+        mark = _EventMark(stream=effect.stream, target=target, clock=self._point(effect.stream))
+        self._env.record_event(effect, effect.event, mark)
 
     def _wait_event(self, effect: WaitEvent) -> None:
         mark = self._env.take_event(effect, effect.event)
+        self._order_after(effect.stream, mark.clock)
         self._queue(effect.stream, _StreamWait(effect, mark.stream, mark.target))
+
+    def _wait_stream(self, effect: WaitStream) -> None:
+        target = self._lanes[effect.waits_for].issued
+        self._order_after(effect.stream, self._point(effect.waits_for))
+        self._queue(effect.stream, _StreamWait(effect, effect.waits_for, target))
+
+    def _synchronize(self, effect: Synchronize) -> None:
+        # The host waits until `stream` has run what it holds: all it issues later is after.
+        target = self._lanes[effect.stream].issued
+        self._host.clock = _later(self._host.clock, self._point(effect.stream))
+        self._queue(None, _StreamWait(effect, effect.stream, target))
 
     def _forget_event(self, effect: ForgetEvent) -> None:
         self._env.forget_event(effect, effect.event)
@@ -894,6 +926,15 @@ def section_view(packed: Array, section: Section) -> Array:
 
 def _describe(effect: Effect) -> str:
     return effect_call("NumpyInterpreter", effect)
+
+
+def _later(a: dict[Stream, int], b: dict[Stream, int]) -> dict[Stream, int]:
+    """Per stream, the later of two points (a fresh dict)."""
+    later = dict(a)
+    for stream, count in b.items():
+        if count > later.get(stream, 0):
+            later[stream] = count
+    return later
 
 
 def _array(buffer: _Buffer) -> Array:
