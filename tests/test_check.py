@@ -314,13 +314,13 @@ def test_a_rank_with_no_log_is_named_and_the_others_are_checked(tmp_path: Path) 
     # What each present rank was waiting on when the run stopped.
     waits = lines[lines.index("What every rank was waiting on:") + 1 :]
     assert [line.split(" waits at ")[0] for line in waits if " waits at " in line] == [
-        "  rank 0 [host and main stream]",
+        "  rank 0 [host]",
         "  rank 2 [relay stream]",
         "  rank 2 [between steps]",
-        "  rank 3 [host and main stream]",
+        "  rank 3 [host]",
     ]
     assert (
-        "  rank 3 [host and main stream] waits at step 0 (agree) on all_reduce("
+        "  rank 3 [host] waits at step 0 (agree) on all_reduce("
         "'dp.target.step0.table' over dp_cpu, synchronous)"
     ) in waits
     assert waits[-1] == "  no log: rank(s) 1"
@@ -852,10 +852,8 @@ def test_a_host_synchronize_waits_for_its_stream_and_names_what_it_waits_for(
         "  rank 1's log ends before its first step (0 records), before op #0 on pp_relay: the "
         "rank died or stopped there, or skipped it"
     ) in report.text.splitlines()
-    waits = [line for line in report.text.splitlines() if "[host and main stream]" in line]
-    assert waits == [
-        "  rank 0 [host and main stream] waits at step 0 (receive) on synchronize(relay)"
-    ]
+    waits = [line for line in report.text.splitlines() if "[host]" in line]
+    assert waits == ["  rank 0 [host] waits at step 0 (receive) on synchronize(relay)"]
 
 
 def test_a_synchronize_after_matched_work_passes(tmp_path: Path) -> None:

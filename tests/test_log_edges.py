@@ -41,6 +41,7 @@ from purepp.effects.simulator import RankContext, simulate
 from purepp.effects.vocabulary import (
     Allocate,
     AllReduce,
+    Backend,
     Broadcast,
     BufferRef,
     CheckHeader,
@@ -106,9 +107,18 @@ def agree(step: int, comm: Communicator, *, columns: int = 2, work: str | None =
     )
 
 
-def write(directory: Path, world: Layout, per_rank: Sequence[Sequence[Effect]]) -> Path:
-    """Every rank's log of one run, as `purepp check` reads them."""
-    header = {"model": "review"}
+def write(
+    directory: Path,
+    world: Layout,
+    per_rank: Sequence[Sequence[Effect]],
+    *,
+    backend: str | None = None,
+) -> Path:
+    """Every rank's log of one run, as `purepp check` reads them (the header naming
+    `backend` as a run's does, if given)."""
+    header: dict[str, str] = {"model": "review"}
+    if backend is not None:
+        header["backend"] = backend
     dump_logs(
         [
             EffectLog.from_effects(LogHeader(rank=rank, world=world, config=header), effects)
@@ -120,7 +130,11 @@ def write(directory: Path, world: Layout, per_rank: Sequence[Sequence[Effect]]) 
 
 
 def run_in_simulator(
-    world: Layout, per_rank: Sequence[Sequence[Effect]], *, max_steps_in_flight: int | None = None
+    world: Layout,
+    per_rank: Sequence[Sequence[Effect]],
+    *,
+    max_steps_in_flight: int | None = None,
+    backend: Backend = "nccl",
 ) -> None:
     """Simulate every rank issuing its effects, one tuple per run of one step."""
 
@@ -134,7 +148,7 @@ def run_in_simulator(
         if batch:
             yield tuple(batch)
 
-    simulate(world, program, max_steps_in_flight=max_steps_in_flight)
+    simulate(world, program, max_steps_in_flight=max_steps_in_flight, backend=backend)
 
 
 # -- a wait-for cycle through a device and a CPU communicator -------------------------------
@@ -151,29 +165,31 @@ def cycle_through_pp_and_dp(stream: Stream) -> list[list[Effect]]:
     ]
 
 
-def test_a_four_rank_cycle_through_a_relay_and_a_dp_group_is_found(tmp_path: Path) -> None:
-    """Broadcasts on the main stream hold the host, so ranks that take pp_relay and
-    dp_cpu in crossed orders wait round a loop of all four ranks: the check names that
-    cycle (no per-communicator comparison sees it). The same program with its broadcasts
-    on the relay side stream does not hold the host and is ok."""
-    per_rank = cycle_through_pp_and_dp(Stream.MAIN)
+@pytest.mark.parametrize("stream", [Stream.MAIN, Stream.RELAY])
+def test_a_four_rank_cycle_through_a_relay_and_a_dp_group_is_found(
+    tmp_path: Path, stream: Stream
+) -> None:
+    """On gloo a broadcast holds its host, so ranks that take pp_relay and dp_cpu in
+    crossed orders wait round a loop of all four ranks: the check names that cycle (no
+    per-communicator comparison sees it). On NCCL the same program is ok on either
+    stream: a broadcast is only queued there, and the host goes on to the all-reduce."""
+    per_rank = cycle_through_pp_and_dp(stream)
     assert match_collectives(dict(enumerate(per_rank)), GRID) is None
 
-    report = check_logs(write(tmp_path / "main", GRID, per_rank))
+    report = check_logs(write(tmp_path / "gloo", GRID, per_rank, backend="gloo"))
     assert isinstance(report.finding, DeadlockReport), report.text
     cycle = report.finding.cycle
     assert cycle is not None, report.text
     assert sorted(cycle.ranks) == [0, 1, 2, 3]
     assert cycle.communicators == {Communicator.DP_CPU, Communicator.PP_RELAY}
     with pytest.raises(CollectiveReportError) as simulated:
-        run_in_simulator(GRID, per_rank)
+        run_in_simulator(GRID, per_rank, backend="gloo")
     assert isinstance(simulated.value.report, DeadlockReport)
     assert simulated.value.report.cycle == cycle
 
-    side = cycle_through_pp_and_dp(Stream.RELAY)
-    report = check_logs(write(tmp_path / "relay", GRID, side))
+    report = check_logs(write(tmp_path / "nccl", GRID, per_rank, backend="nccl"))
     assert (report.ok, report.exit_code) == (True, EXIT_OK), report.text
-    run_in_simulator(GRID, side)
+    run_in_simulator(GRID, per_rank)
 
 
 # -- the simulator and the checker agree on random programs ---------------------------------

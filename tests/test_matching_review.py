@@ -46,6 +46,7 @@ from purepp.effects.vocabulary import (
     Op,
     RecordEvent,
     Stream,
+    Synchronize,
     WaitEvent,
 )
 from purepp.layout import Layout
@@ -443,9 +444,10 @@ def test_one_rank_of_three_taking_the_lanes_the_other_way_is_a_two_rank_cycle(
 
 def test_a_rank_hung_in_its_last_record_has_not_finished_its_program(tmp_path: Path) -> None:
     world = Layout(pp=2, dp=1)
-    # Rank 0 agrees before the relay, rank 1 relays first: a cycle; rank 0's log ends
-    # with the agreement it waits in.
-    program = one_step_each([[agree(0, PP_CPU)], [*cast(0, 1), agree(0, PP_CPU)]])
+    # Rank 0 agrees before the relay, rank 1 relays first and its host waits for it: a
+    # cycle; rank 0's log ends with the agreement it waits in.
+    synchronize = Synchronize(step=0, op=Op.RECEIVE, stream=Stream.MAIN)
+    program = one_step_each([[agree(0, PP_CPU)], [*cast(0, 1), synchronize, agree(0, PP_CPU)]])
     sim, check = both(tmp_path, world, program)
     assert isinstance(sim, DeadlockReport)
     assert sim.finished == ()

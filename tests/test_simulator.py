@@ -509,6 +509,8 @@ def main_stream_broadcast(step: int, rank: int) -> tuple[Effect, ...]:
 
 def test_two_communicators_taken_in_opposite_orders_deadlock() -> None:
     # Each communicator's sequence matches on its own; only the order across them differs.
+    # On gloo rank 1's host waits in its broadcast (NCCL would only queue it on the main
+    # stream, and the host would go on to the all-reduce: tests/test_stream_model_gaps.py).
     steps: dict[int, list[tuple[Effect, ...]]] = {
         0: [(pp_cpu_agreement(0), *main_stream_broadcast(0, 0))],
         1: [(*main_stream_broadcast(0, 1), pp_cpu_agreement(0))],
@@ -517,13 +519,13 @@ def test_two_communicators_taken_in_opposite_orders_deadlock() -> None:
     assert match_collectives(per_rank, Layout(pp=2, dp=1)) is None
 
     with pytest.raises(CollectiveMismatchError) as error:
-        simulate(Layout(pp=2, dp=1), scripted(steps))
+        simulate(Layout(pp=2, dp=1), scripted(steps), backend="gloo")
 
     report = report_of(error)
     assert isinstance(report, DeadlockReport)
-    assert [(w.rank, w.stream, w.step, w.op) for w in report.waiters] == [
-        (0, Stream.MAIN, 0, Op.AGREE),
-        (1, Stream.MAIN, 0, Op.BROADCAST),
+    assert [(w.rank, w.stream, w.host, w.step, w.op) for w in report.waiters] == [
+        (0, Stream.MAIN, True, 0, Op.AGREE),
+        (1, Stream.MAIN, True, 0, Op.BROADCAST),
     ]
     awaited = [w.awaited for w in report.waiters]
     assert awaited[0] is not None

@@ -4,8 +4,10 @@ The logs are read a record at a time, every rank's file at once, and fed through
 scheduler the simulator uses (`purepp.effects.scheduler`): one `CollectiveHub` for
 every communicator and one data-free `StreamLanes` per rank. So the checker sees what
 a per-communicator comparison cannot: two ranks taking two communicators in opposite
-orders wait on each other, and the report shows the wait-for cycle. Memory stays
-bounded because a rank may not run more than `max_steps_in_flight` steps ahead of the
+orders wait on each other, and the report shows the wait-for cycle. A broadcast blocks
+its host when the header's config names the gloo backend (`purepp run`'s default), as
+gloo's does; otherwise it holds only its stream, as NCCL's does. Memory stays bounded
+because a rank may not run more than `max_steps_in_flight` steps ahead of the
 slowest stage of its pipeline: only the records between them are held. Reading is
 fast where logs repeat themselves: a line that differs from an already validated line
 only in its digits is not validated again, and records that never wait are not built
@@ -64,8 +66,14 @@ from purepp.effects.matching import (
     find_wait_cycle,
 )
 from purepp.effects.numpy_interpreter import describe_effect
-from purepp.effects.scheduler import LOCAL_KINDS, CollectiveHub, StreamLanes, started_ahead
-from purepp.effects.vocabulary import AllReduce, Broadcast, Effect
+from purepp.effects.scheduler import (
+    LOCAL_KINDS,
+    CollectiveHub,
+    StreamLanes,
+    started_ahead,
+    waiting_at,
+)
+from purepp.effects.vocabulary import AllReduce, Broadcast, Effect, Stream, check_backend
 from purepp.errors import ConfigError, InvalidInputError, LogFormatError
 from purepp.layout import Layout
 
@@ -334,11 +342,20 @@ class _Check:
             raise ConfigError(
                 "check_logs", f"max_steps_in_flight={in_flight}", "allow at least one step"
             )
-        self._world, self._in_flight = world, in_flight
+        # The run's backend decides whether a broadcast blocks its host (gloo) or only its
+        # stream (NCCL); a log that does not say (a scripted run's) is judged as NCCL's.
+        backend = check_backend(
+            "check_logs",
+            "the backend in the logs' header config",
+            streams[0].header.config.get("backend", "nccl"),
+        )
+        self._world, self._in_flight, self._backend = world, in_flight, backend
         self._hub = CollectiveHub(world, call=_CALL, move_data=False)
         # Indexed by rank, every rank of the world, those with no log too.
         self._ranks = [
-            _RankReplay(rank, world, by_rank.get(rank), StreamLanes(rank, self._hub))
+            _RankReplay(
+                rank, world, by_rank.get(rank), StreamLanes(rank, self._hub, backend=backend)
+            )
             for rank in range(world.world_size)
         ]
         self._advancers = [r.lanes.advance for r in self._ranks]
@@ -371,7 +388,7 @@ class _Check:
         """Issue `rank`'s effects until its host blocks, its log ends or it is held back."""
         progressed = False
         lanes, hub, items = rank.lanes, self._hub, rank.items
-        host_blocked = lanes.host_blocked
+        host_blocked, main_idle = lanes.host_blocked, lanes.main_idle
         # The check's hot loop: `peek` inlined, and the counts of the records taken.
         while not host_blocked():
             item = rank.next
@@ -385,6 +402,8 @@ class _Check:
             # An agreement started ahead is never held back and begins no step. (Records
             # that never wait come without their effect: no call for them.)
             if effect is None or not started_ahead(effect, rank.order_step):
+                if rank.order_step is not None and step > rank.order_step and not main_idle():
+                    return progressed  # the host reads the last step's outputs first
                 if step > rank.allowed_step:
                     if self._held_back_by(rank, step):
                         return progressed
@@ -404,6 +423,19 @@ class _Check:
                     hub.run_completed(self._advancers)
             progressed = True
         return progressed
+
+    def _between_steps(self, rank: _RankReplay) -> bool:
+        """Whether `rank` waits to start its next step until its main stream has run:
+        a run's host reads each step's outputs (unlogged), which waits for the main
+        stream as a `.cpu()` copy does, and the simulator's programs read between yields."""
+        item = rank.peek()
+        return (
+            item is not None
+            and rank.order_step is not None
+            and item[0] > rank.order_step
+            and not started_ahead(item[2], rank.order_step)
+            and not rank.lanes.main_idle()
+        )
 
     def _held_back_by(self, rank: _RankReplay, step: int) -> tuple[int, ...]:
         """Pipeline peers too far behind for `rank` to issue an effect of `step`."""
@@ -569,7 +601,7 @@ class _Check:
         return self._finding(deadlock)
 
     def _at_step(self, rank: _RankReplay) -> int | None:
-        if rank.lanes.host_blocked():
+        if rank.lanes.host_blocked() or self._between_steps(rank):
             return rank.lanes.at_step()
         item = rank.peek()
         return None if item is None else item[0]
@@ -602,17 +634,18 @@ class _Check:
                 waiters.append(
                     Waiter(
                         rank=rank.rank,
-                        stream=stream,
+                        stream=Stream.MAIN if stream is None else stream,
+                        host=stream is None,
                         step=effect.step,
                         op=effect.op,
-                        waiting_at=describe_effect(effect),
+                        waiting_at=waiting_at(effect, self._backend),
                         awaited=None if culprit is None else self._hub.awaited(culprit),
                     )
                 )
                 if culprit is not None:
                     edges += self._hub.waits_for(culprit)
             upcoming = rank.peek()
-            if rank.lanes.host_blocked() or upcoming is None:
+            if rank.lanes.host_blocked() or upcoming is None or self._between_steps(rank):
                 continue
             step, kind, next_effect, _ = upcoming
             held_back_by = self._held_back_by(rank, step)
@@ -630,9 +663,11 @@ class _Check:
                 )
             )
             edges += [WaitEdge(rank=rank.rank, via=None, seq=None, peer=p) for p in held_back_by]
-        # A log that ends in the collective its host waits on ended in a hang, not a finish.
+        # A log that ends in a wait of its host or main stream ended in a hang, not a finish.
         finished = tuple(
-            r.rank for r in self._ranks if r.peek() is None and not r.lanes.host_blocked()
+            r.rank
+            for r in self._ranks
+            if r.peek() is None and not r.lanes.host_blocked() and r.lanes.main_idle()
         )
         return DeadlockReport(
             waiters=tuple(waiters),

@@ -365,18 +365,19 @@ class Waiter:
     """A rank that cannot proceed: a stream's stuck head, or a step it may not start yet."""
 
     rank: int  # the rank that waits
-    stream: Stream | None  # the stuck stream (MAIN: the host waits with it); None: between steps
+    stream: Stream | None  # the stuck stream (MAIN when `host`); None: between steps
     step: int  # step of the effect it waits at, or of the step it may not start
     op: Op | None  # operation that emitted that effect; None between steps
     waiting_at: str  # the effect it waits at, in words
     awaited: AwaitedCollective | None  # the collective the wait comes down to, if any
     held_back_by: tuple[int, ...] = ()  # slower ranks it may not run ahead of (steps in flight)
+    host: bool = False  # the host itself waits (it issues nothing more), not a stream
 
     def describe(self) -> str:
         if self.stream is None:
             where = "between steps"
-        elif self.stream is Stream.MAIN:
-            where = "host and main stream"
+        elif self.host:
+            where = "host"
         else:
             where = f"{self.stream.value} stream"
         emitted = "" if self.op is None else f" ({self.op.value})"

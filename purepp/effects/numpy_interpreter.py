@@ -3,11 +3,14 @@
 It gives every effect the meaning the torch interpreter gives it (the vocabulary's
 docstrings), with streams modelled explicitly so that ordering bugs show up:
 
-- The host and the main stream advance together: a main-stream effect runs when
-  it is issued, and a main-stream wait on unfinished side-stream work blocks the
-  host. (A real host would run on and queue more main-stream kernels; blocking is
-  the conservative model, and it is what lets the simulator see the wait.)
-- A side stream (RELAY) is a FIFO of pending effects. An effect queued behind a
+- The host is a lane of its own: it waits only where a real host does (a CPU
+  all-reduce, `WaitWork`, `Synchronize`, a gloo broadcast), and issues nothing
+  more until that completes (`host_blocked`). A main-stream wait on unfinished
+  side-stream work holds the main stream, not the host, as on CUDA; reading a
+  buffer from the host (`tensor`, `host_array`) is the caller's to order, as a
+  `.cpu()` copy waits for the main stream (the simulator resumes a program only once
+  its main stream has drained, `main_idle`).
+- Every stream (MAIN, RELAY) is a FIFO of pending effects. An effect queued behind a
   broadcast that has not completed waits, as it would on a CUDA stream; so does
   the event recorded after it.
 - References are resolved and output buffers bound when an effect is issued, as
@@ -16,6 +19,9 @@ docstrings), with streams modelled explicitly so that ordering bugs show up:
   with `POISON`, so reading data that was never written is visible. A kernel that
   fails when it runs (a row outside its buffer, a header mismatch) is a device
   fault, not a refusal: its outputs stay bound and it stays at its stream's head.
+- A broadcast runs as the relay's backend runs it: NCCL's (the default) is queued on
+  its stream; gloo's blocks the host until it completes, as
+  the torch interpreter's wait on a gloo broadcast does.
 - Collectives go to a `CollectivePort`. Alone (the default port), only a
   one-member world is possible: a broadcast from this rank and an all-reduce of
   this rank's one-column table complete at once, and any other collective is refused.
@@ -24,12 +30,15 @@ docstrings), with streams modelled explicitly so that ordering bugs show up:
   has completed, and a mismatch raises `HeaderMismatchError` (naming this rank, the
   step and both headers) from whichever call ran it; in the simulator the run stops.
 - Buffer lifetimes follow the caching allocator: a buffer belongs to the pool of
-  the stream it was made on. When its last name is released while an unfinished
-  effect on another stream still uses it, and that stream was not recorded with
-  `RecordStream`, its memory may be reused at once: the array is overwritten
-  with `POISON` and the interpreter notes a `LifetimeViolation`.
+  the stream it was made on, and a later allocation there is ordered only after
+  what that stream waited for (events, `WaitStream`) and what the host synchronised
+  with (`Synchronize`). When its last name is released while a use on another
+  stream is not ordered before that point, and that stream was not recorded with
+  `RecordStream`, its memory may be reused under the use, whether or not the model
+  has run it yet: the array is overwritten with `POISON` and the interpreter notes
+  a `LifetimeViolation`.
 
-- `Synchronize` makes the host wait with the main stream until the named stream has
+- `Synchronize` makes the host wait until the named stream has
   run what it holds (the torch interpreter waits on the CUDA stream; on CPU it has
   nothing to wait for). `Pack` is a kernel on its stream; `Unpack` binds views of the
   source's bytes at issue (no work), which share its memory and lifetime.
@@ -44,7 +53,7 @@ from __future__ import annotations
 
 import math
 import typing
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Final, Protocol, TypeAlias
 
@@ -59,6 +68,7 @@ from purepp.effects.vocabulary import (
     Alias,
     Allocate,
     AllReduce,
+    Backend,
     Broadcast,
     BufferRef,
     CheckHeader,
@@ -85,6 +95,7 @@ from purepp.effects.vocabulary import (
     WaitStream,
     WaitWork,
     WorkRef,
+    check_backend,
     effect_batch,
 )
 from purepp.errors import (
@@ -258,7 +269,8 @@ class _Buffer:
         self.home = home  # the stream whose allocation pool owns the memory
         self.recorded: set[Stream] = set()  # streams named by RecordStream
         self.names = 0  # environment names bound to it (and to its views)
-        self.pending: Counter[Stream] = Counter()  # queued, unfinished effects using it, by stream
+        # By stream: the position (1-based, in its issue order) of its last effect using it.
+        self.uses: dict[Stream, int] = {}
 
 
 @attrs.frozen(kw_only=True)
@@ -268,7 +280,7 @@ class LifetimeViolation:
     buffer: BufferRef  # the name whose release (or rebinding) freed it
     step: int | None  # step of the Release; None when the caller's `bind` replaced it
     op: Op | None  # operation that emitted the Release; None for a `bind`
-    used_on: tuple[Stream, ...]  # streams with unfinished effects on it, not recorded
+    used_on: tuple[Stream, ...]  # streams whose use is not ordered before it, not recorded
 
 
 @attrs.frozen(kw_only=True)
@@ -277,6 +289,8 @@ class _EventMark:
 
     stream: Stream  # the stream it was recorded on
     target: int  # how many effects that stream must have run
+    # By stream: how many of its effects are ordered before the record (`_point`).
+    clock: dict[Stream, int] = attrs.field(eq=False, hash=False)
 
 
 @attrs.define(eq=False)
@@ -326,15 +340,19 @@ class _Lane:
         self.queue: deque[_Queued] = deque()
         self.issued = 0  # effects ever queued
         self.ran = 0  # effects ever run
+        # By other stream: how many of its effects are ordered before this lane's next
+        # one (what it waited for; for the host, what it synchronised with).
+        self.clock: dict[Stream, int] = {}
 
 
 @attrs.frozen(kw_only=True, eq=False)
 class Stall:
     """The head of a stream that cannot run yet, and the collective it comes down to."""
 
-    stream: Stream  # the stuck stream (MAIN: the host waits with it)
+    stream: Stream  # the stuck stream (MAIN when `host`)
     effect: Effect  # the effect at its head
     culprit: PostedCollective | None  # the unfinished collective it waits for, if any
+    host: bool = False  # the host itself waits (it issues nothing more), not a stream
 
 
 class NumpyInterpreter:
@@ -345,12 +363,19 @@ class NumpyInterpreter:
     """
 
     def __init__(
-        self, *, rank: int = 0, port: CollectivePort | None = None, fill: int = POISON
+        self,
+        *,
+        rank: int = 0,
+        port: CollectivePort | None = None,
+        fill: int = POISON,
+        backend: Backend = "nccl",
     ) -> None:
         """`rank`: this rank's global rank. `port`: where collectives go (default: a
-        world of this rank alone). `fill`: the contents of fresh buffers."""
+        world of this rank alone). `fill`: the contents of fresh buffers. `backend`:
+        what the relay's broadcasts run on ('gloo': each blocks the host)."""
         call = "NumpyInterpreter"
         rank = check_int(call, "rank", rank, 0, config=True)
+        self._backend = check_backend(call, "backend", backend)
         # int32 buffers are filled too: a fill past int32 would fail at the first Allocate.
         fill = check_int(call, "fill", fill, -INT32_MAX - 1, config=True)
         if port is not None and not all(
@@ -368,6 +393,13 @@ class NumpyInterpreter:
             "NumpyInterpreter"
         )
         self._lanes: dict[Stream, _Lane] = {stream: _Lane() for stream in Stream}
+        # The host's own waits: it issues nothing while one is pending.
+        self._host = _Lane()
+        # What `advance` and `stalls` walk: the host (None), then every stream.
+        self._walk: tuple[tuple[Stream | None, _Lane], ...] = (
+            (None, self._host),
+            *self._lanes.items(),
+        )
         self._violations: list[LifetimeViolation] = []
 
     # ---- the caller's side -------------------------------------------------------------
@@ -433,8 +465,8 @@ class NumpyInterpreter:
         batch = effect_batch(call, effects)  # whole, so a stranger issues nothing
         for effect in batch:
             self.issue(effect)
-            if self.host_blocked():
-                stall = self.stalls()[0]
+            if self.host_blocked() or (effect is batch[-1] and not self.main_idle()):
+                stall = self.stalls()[0]  # the host's, else the main stream's
                 raise InterpreterError(
                     _describe(effect),
                     f"the host waits on {describe_effect(stall.effect)}, which needs other ranks",
@@ -444,17 +476,23 @@ class NumpyInterpreter:
     # ---- the driver's side (the simulator) -----------------------------------------------
 
     def host_blocked(self) -> bool:
-        """Whether the host waits: the main stream has an effect that cannot run yet."""
-        return bool(self._lanes[Stream.MAIN].queue)
+        """Whether the host waits (a CPU all-reduce, WaitWork, Synchronize, a gloo
+        broadcast) for something that cannot complete yet."""
+        return bool(self._host.queue)
+
+    def main_idle(self) -> bool:
+        """Whether the main stream has run everything issued to it: a host read (as a
+        `.cpu()` copy) would not wait."""
+        return not self._lanes[Stream.MAIN].queue
 
     def idle(self) -> bool:
         """Whether every issued effect has run."""
-        return not any(lane.queue for lane in self._lanes.values())
+        return not any(lane.queue for _, lane in self._walk)
 
     def issue(self, effect: Effect) -> None:
         """Validate one effect, bind its outputs, queue it on its stream, run what can run."""
         if self.host_blocked():
-            head = self._lanes[Stream.MAIN].queue[0].effect
+            head = self._host.queue[0].effect
             raise InterpreterError(
                 _describe(effect),
                 f"the host is still waiting on {describe_effect(head)}",
@@ -469,7 +507,7 @@ class NumpyInterpreter:
         moved = True
         while moved:
             moved = False
-            for stream, lane in self._lanes.items():
+            for _, lane in self._walk:
                 while lane.queue:
                     try:
                         if not self._try_run(lane.queue[0]):
@@ -478,24 +516,28 @@ class NumpyInterpreter:
                         # A kernel that refused its data (an index out of range) is done,
                         # having written nothing: the stream goes on, as checked torch's
                         # refusal before the kernel leaves it.
-                        self._done(stream, lane)
+                        self._done(lane)
                         raise
-                    self._done(stream, lane)
+                    self._done(lane)
                     moved = progressed = True
         return progressed
 
-    def _done(self, stream: Stream, lane: _Lane) -> None:
-        """The head of `stream`'s queue has run: pop it and release what it touched."""
-        done = lane.queue.popleft()
-        for buffer in done.touches:
-            buffer.memory.pending[stream] -= 1
+    def _done(self, lane: _Lane) -> None:
+        """The head of `lane`'s queue has run."""
+        lane.queue.popleft()
         lane.ran += 1
 
     def stalls(self) -> tuple[Stall, ...]:
-        """Each stream whose head cannot run yet, with the collective it waits for."""
+        """The host's wait, then each stream whose head cannot run yet, with the
+        collective it waits for."""
         return tuple(
-            Stall(stream=stream, effect=lane.queue[0].effect, culprit=self._culprit(stream, set()))
-            for stream, lane in self._lanes.items()
+            Stall(
+                stream=Stream.MAIN if stream is None else stream,
+                effect=lane.queue[0].effect,
+                culprit=self._culprit(stream, set()),
+                host=stream is None,
+            )
+            for stream, lane in self._walk
             if lane.queue
         )
 
@@ -508,8 +550,7 @@ class NumpyInterpreter:
     def _issue(self, effect: Effect) -> None:
         match effect:
             case WaitStream():
-                target = self._lanes[effect.waits_for].issued
-                self._queue(effect.stream, _StreamWait(effect, effect.waits_for, target))
+                self._wait_stream(effect)
             case RecordEvent():
                 self._record_event(effect)
             case WaitEvent():
@@ -548,9 +589,7 @@ class NumpyInterpreter:
             case ScatterRows():
                 self._scatter_rows(effect)
             case Synchronize():
-                # The host waits with the main stream until `stream` has run what it holds.
-                target = self._lanes[effect.stream].issued
-                self._queue(Stream.MAIN, _StreamWait(effect, effect.stream, target))
+                self._synchronize(effect)
             case Pack():
                 self._pack(effect)
             case Unpack():
@@ -576,12 +615,17 @@ class NumpyInterpreter:
         buffer.names -= 1
         if buffer.names:
             return
-        # The memory goes back to its stream's pool. Use on the same stream is ordered
-        # before any reuse; use on another stream is safe only if recorded.
+        # The memory goes back to its stream's pool: a reuse is ordered after that
+        # stream's point now. Use on the same stream is before it; use on another is
+        # safe if ordered before it (an event or stream wait, a host synchronize) or
+        # recorded.
+        reuse = self._point(buffer.home)
         unsafe = tuple(
             stream
-            for stream, count in buffer.pending.items()
-            if count > 0 and stream is not buffer.home and stream not in buffer.recorded
+            for stream, at in buffer.uses.items()
+            if stream is not buffer.home
+            and stream not in buffer.recorded
+            and reuse.get(stream, 0) < at
         )
         if unsafe:
             buffer.array.fill(self._fill)
@@ -590,12 +634,31 @@ class NumpyInterpreter:
     def _fresh(self, shape: tuple[int, ...], dtype: np.dtype[Any], home: Stream) -> _Buffer:
         return _Buffer(np.full(shape, self._fill, dtype=dtype), home)
 
-    def _queue(self, stream: Stream, item: _Queued) -> None:
-        lane = self._lanes[stream]
-        for buffer in item.touches:
-            buffer.memory.pending[stream] += 1
+    def _queue(self, stream: Stream | None, item: _Queued) -> None:
+        """Queue `item` on `stream`, or on the host's lane (None)."""
+        if stream is None:
+            # The host issues nothing until it completes: no release can race its buffers.
+            lane = self._host
+        else:
+            lane = self._lanes[stream]
+            for buffer in item.touches:
+                buffer.memory.uses[stream] = lane.issued + 1
         lane.queue.append(item)
         lane.issued += 1
+
+    def _point(self, stream: Stream) -> dict[Stream, int]:
+        """How many of each stream's effects an effect issued on `stream` now is ordered
+        after: what `stream` waited for, what the host synchronised with, and `stream`'s
+        own effects so far."""
+        lane = self._lanes[stream]
+        point = _later(lane.clock, self._host.clock)
+        point[stream] = lane.issued
+        return point
+
+    def _order_after(self, stream: Stream, point: dict[Stream, int]) -> None:
+        """What `stream` runs from now on waits for `point` (an event or stream wait)."""
+        lane = self._lanes[stream]
+        lane.clock = _later(lane.clock, point)
 
     def _try_run(self, item: _Queued) -> bool:
         match item:
@@ -614,9 +677,10 @@ class NumpyInterpreter:
             case _:
                 typing.assert_never(item)
 
-    def _culprit(self, stream: Stream, seen: set[Stream]) -> PostedCollective | None:
-        """The unfinished collective that the head of `stream` comes down to."""
-        lane = self._lanes[stream]
+    def _culprit(self, stream: Stream | None, seen: set[Stream]) -> PostedCollective | None:
+        """The unfinished collective that the head of `stream` (None: the host's lane)
+        comes down to."""
+        lane = self._host if stream is None else self._lanes[stream]
         if not lane.queue or stream in seen:
             return None
         head = lane.queue[0]
@@ -624,7 +688,7 @@ class NumpyInterpreter:
             case _CollectiveStep() | _WorkWait():
                 return None if head.posted.done else head.posted
             case _StreamWait():
-                return self._culprit(head.on, seen | {stream})
+                return self._culprit(head.on, seen if stream is None else seen | {stream})
             case _Kernel():
                 return None
             case _:
@@ -635,13 +699,24 @@ class NumpyInterpreter:
     def _record_event(self, effect: RecordEvent) -> None:
         self._env.check_recordable(effect, effect.event)
         target = self._lanes[effect.stream].issued
-        self._env.record_event(
-            effect, effect.event, _EventMark(stream=effect.stream, target=target)
-        )
+        mark = _EventMark(stream=effect.stream, target=target, clock=self._point(effect.stream))
+        self._env.record_event(effect, effect.event, mark)
 
     def _wait_event(self, effect: WaitEvent) -> None:
         mark = self._env.take_event(effect, effect.event)
+        self._order_after(effect.stream, mark.clock)
         self._queue(effect.stream, _StreamWait(effect, mark.stream, mark.target))
+
+    def _wait_stream(self, effect: WaitStream) -> None:
+        target = self._lanes[effect.waits_for].issued
+        self._order_after(effect.stream, self._point(effect.waits_for))
+        self._queue(effect.stream, _StreamWait(effect, effect.waits_for, target))
+
+    def _synchronize(self, effect: Synchronize) -> None:
+        # The host waits until `stream` has run what it holds: all it issues later is after.
+        target = self._lanes[effect.stream].issued
+        self._host.clock = _later(self._host.clock, self._point(effect.stream))
+        self._queue(None, _StreamWait(effect, effect.stream, target))
 
     def _forget_event(self, effect: ForgetEvent) -> None:
         self._env.forget_event(effect, effect.event)
@@ -680,7 +755,9 @@ class NumpyInterpreter:
         )
         posted = PostedCollective(self._rank, effect, buffer.array)
         self._port.post(posted)
-        self._queue(effect.stream, _CollectiveStep(effect, posted, (buffer,)))
+        # gloo's broadcast holds the host until every member joins; NCCL's only its stream.
+        stream = None if self._backend == "gloo" else effect.stream
+        self._queue(stream, _CollectiveStep(effect, posted, (buffer,)))
 
     def _check_header(self, effect: CheckHeader) -> None:
         received = self._env.lookup(effect, effect.buffer)
@@ -717,7 +794,7 @@ class NumpyInterpreter:
         self._set(effect.result, table, step=effect.step, op=effect.op)
         if effect.work is None:
             # Synchronous on the CPU group: the host waits for it.
-            self._queue(Stream.MAIN, _CollectiveStep(effect, posted, ()))
+            self._queue(None, _CollectiveStep(effect, posted, ()))
             return
         self._env.start_work(effect.work, posted, effect.result)
         # Gloo runs it on its own thread: it never waits behind a stream.
@@ -727,7 +804,7 @@ class NumpyInterpreter:
     def _wait_work(self, effect: WaitWork) -> None:
         posted, _ = self._env.work(effect, effect.work)
         self._env.end_work(effect.work)
-        self._queue(Stream.MAIN, _WorkWait(effect, posted))
+        self._queue(None, _WorkWait(effect, posted))
 
     # ---- device-side data moves ------------------------------------------------------------
 
@@ -850,6 +927,15 @@ def section_view(packed: Array, section: Section) -> Array:
 
 def _describe(effect: Effect) -> str:
     return effect_call("NumpyInterpreter", effect)
+
+
+def _later(a: dict[Stream, int], b: dict[Stream, int]) -> dict[Stream, int]:
+    """Per stream, the later of two points (a fresh dict)."""
+    later = dict(a)
+    for stream, count in b.items():
+        if count > later.get(stream, 0):
+            later[stream] = count
+    return later
 
 
 def _array(buffer: _Buffer) -> Array:

@@ -44,11 +44,12 @@ from purepp.effects.matching import (
     mismatch_order,
     signature_of,
 )
-from purepp.effects.numpy_interpreter import PostedCollective
+from purepp.effects.numpy_interpreter import PostedCollective, describe_effect
 from purepp.effects.vocabulary import (
     Alias,
     Allocate,
     AllReduce,
+    Backend,
     Broadcast,
     CheckHeader,
     Communicator,
@@ -74,10 +75,11 @@ from purepp.effects.vocabulary import (
     WaitStream,
     WaitWork,
     WorkRef,
+    check_backend,
 )
 from purepp.layout import Layout
 
-__all__ = ["LOCAL_KINDS", "CollectiveHub", "StreamLanes", "started_ahead"]
+__all__ = ["LOCAL_KINDS", "CollectiveHub", "StreamLanes", "started_ahead", "waiting_at"]
 
 
 def started_ahead(effect: Effect | None, order_step: int | None) -> bool:
@@ -90,6 +92,15 @@ def started_ahead(effect: Effect | None, order_step: int | None) -> bool:
         and order_step is not None
         and effect.step > order_step
     )
+
+
+def waiting_at(effect: Effect, backend: Backend) -> str:
+    """A stuck effect in words for a deadlock report, saying why a gloo broadcast holds
+    its host (an NCCL one would only hold its stream)."""
+    text = describe_effect(effect)
+    if backend == "gloo" and type(effect) is Broadcast:
+        return f"{text}, which blocks the host on gloo until every member joins"
+    return text
 
 
 class _Instance:
@@ -428,28 +439,40 @@ _Queued: TypeAlias = _Collective | _Wait | _HostWaitsWork
 class StreamLanes:
     """One rank's streams as the interpreters order them, with no data.
 
-    The MAIN stream stands for the host too (as in the numpy interpreter): the host
-    is blocked while MAIN holds an effect that cannot run. `issue` never raises for a
-    wait on an unknown event or work (a log from hardware is evidence, not input to
-    validate); such a wait is done at once.
+    The host is a lane of its own, as in the numpy interpreter: it is blocked while
+    it waits for a CPU all-reduce, a `WaitWork`, a `Synchronize`, or with
+    `backend='gloo'` a broadcast (as gloo's does); a main-stream wait holds only the
+    main stream, as on CUDA. `issue` never raises for a wait on an unknown event or
+    work (a log from hardware is evidence, not input to validate); such a wait is
+    done at once.
     """
 
-    def __init__(self, rank: int, hub: CollectiveHub) -> None:
+    def __init__(self, rank: int, hub: CollectiveHub, *, backend: Backend = "nccl") -> None:
         self.rank = rank
         self._hub = hub
+        # Where a broadcast is queued: the host's lane on gloo, else its own stream.
+        self._host_broadcasts = check_backend("StreamLanes", "backend", backend) == "gloo"
         self._queues: dict[Stream, deque[_Queued]] = {stream: deque() for stream in Stream}
-        self._main = self._queues[Stream.MAIN]  # the host waits while this is not empty
-        self._lanes = tuple(self._queues.items())  # what `advance` walks, in stream order
+        self._host: deque[_Queued] = deque()  # the host's own waits: it issues nothing more
+        # What `advance` and `stalls` walk: the host (None), then the streams in order.
+        self._lanes: tuple[tuple[Stream | None, deque[_Queued]], ...] = (
+            (None, self._host),
+            *self._queues.items(),
+        )
         self._issued: dict[Stream, int] = dict.fromkeys(Stream, 0)
         self._ran: dict[Stream, int] = dict.fromkeys(Stream, 0)
         self._events: dict[EventRef, tuple[Stream, int]] = {}
         self._works: dict[WorkRef, PostedCollective] = {}
 
     def host_blocked(self) -> bool:
-        return bool(self._main)
+        return bool(self._host)
+
+    def main_idle(self) -> bool:
+        """Whether the main stream has run everything issued to it."""
+        return not self._queues[Stream.MAIN]
 
     def idle(self) -> bool:
-        return not any(self._queues.values()) and not self._works
+        return not any(queue for _, queue in self._lanes) and not self._works
 
     def unwaited(self) -> tuple[AllReduce, ...]:
         """Asynchronous all-reduces that no `WaitWork` waited on (a rank must wait on each)."""
@@ -465,8 +488,11 @@ class StreamLanes:
             case Broadcast():
                 posted = PostedCollective(self.rank, effect, _NO_DATA)
                 self._hub.post(posted)
-                self._issued[effect.stream] += 1
-                self._queues[effect.stream].append(_Collective(effect, posted))
+                if self._host_broadcasts:
+                    self._host.append(_Collective(effect, posted))
+                else:
+                    self._issued[effect.stream] += 1
+                    self._queues[effect.stream].append(_Collective(effect, posted))
             case WaitStream():
                 target = self._issued[effect.waits_for]
                 self._issued[effect.stream] += 1
@@ -475,8 +501,7 @@ class StreamLanes:
                 posted = PostedCollective(self.rank, effect, _NO_DATA)
                 self._hub.post(posted)
                 if effect.work is None:
-                    self._issued[Stream.MAIN] += 1
-                    self._main.append(_Collective(effect, posted))
+                    self._host.append(_Collective(effect, posted))
                 else:
                     # Runs on the CPU group's own thread: never behind a stream.
                     self._works[effect.work] = posted
@@ -496,13 +521,11 @@ class StreamLanes:
             case Synchronize():
                 # The host waits for everything queued so far on the stream.
                 target = self._issued[effect.stream]
-                self._issued[Stream.MAIN] += 1
-                self._main.append(_Wait(effect, effect.stream, target))
+                self._host.append(_Wait(effect, effect.stream, target))
             case WaitWork():
                 awaited = self._works.pop(effect.work, None)
                 if awaited is not None:
-                    self._issued[Stream.MAIN] += 1
-                    self._main.append(_HostWaitsWork(effect, awaited))
+                    self._host.append(_HostWaitsWork(effect, awaited))
             case (
                 Allocate()
                 | CopyHostToDevice()
@@ -547,23 +570,26 @@ class StreamLanes:
                     elif isinstance(item, _HostWaitsWork) and not item.posted.done:
                         break
                     queue.popleft()
-                    ran[stream] += 1
+                    if stream is not None:  # the host's lane: nothing waits for its count
+                        ran[stream] += 1
                     moved = progressed = True
         return progressed
 
-    def stalls(self) -> Iterator[tuple[Stream, Effect, PostedCollective | None]]:
-        """Each stuck stream: its head effect and the collective it comes down to."""
-        for stream, queue in self._queues.items():
+    def stalls(self) -> Iterator[tuple[Stream | None, Effect, PostedCollective | None]]:
+        """The host's wait (its stream None), then each stuck stream: the head effect and
+        the collective it comes down to."""
+        for stream, queue in self._lanes:
             if queue:
                 yield stream, queue[0].effect, self._culprit(stream, frozenset())
 
     def at_step(self) -> int | None:
-        """The step of the host's stuck effect, if the host is blocked."""
-        queue = self._queues[Stream.MAIN]
+        """The step of the host's stuck effect, else of the main stream's, if stuck."""
+        queue = self._host or self._queues[Stream.MAIN]
         return queue[0].effect.step if queue else None
 
-    def _culprit(self, stream: Stream, seen: frozenset[Stream]) -> PostedCollective | None:
-        queue = self._queues[stream]
+    def _culprit(self, stream: Stream | None, seen: frozenset[Stream]) -> PostedCollective | None:
+        """The unfinished collective the head of `stream` (None: the host's) comes down to."""
+        queue = self._host if stream is None else self._queues[stream]
         if not queue or stream in seen:
             return None
         head = queue[0]
@@ -571,6 +597,6 @@ class StreamLanes:
             case _Collective() | _HostWaitsWork():
                 return None if head.posted.done else head.posted
             case _Wait():
-                return self._culprit(head.on, seen | {stream})
+                return self._culprit(head.on, seen if stream is None else seen | {stream})
             case _:
                 assert_never(head)

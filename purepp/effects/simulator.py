@@ -3,8 +3,11 @@
 Each rank runs a *program*: a generator that yields tuples of effects in step order
 (one per decode step, or several, e.g. to read a step's outputs through its
 interpreter before the step's releases). Between yields it may bind inputs and
-read outputs: when it resumes, everything it yielded has been issued and the host
-is not blocked. Progress is measured by the `step` the effects carry. The
+read outputs: when it resumes, everything it yielded has been issued, the host is
+not blocked and the main stream has run its work (a host read waits for it, as a
+`.cpu()` copy does). Within a tuple the host runs past a main-stream wait, as on
+CUDA: only a CPU all-reduce, `WaitWork`, `Synchronize` or a gloo broadcast holds
+it. Progress is measured by the `step` the effects carry. The
 simulator issues each rank's effects on that rank's `NumpyInterpreter` and acts
 as every communicator:
 
@@ -26,13 +29,15 @@ as every communicator:
   `purepp.rank.start_next_agreement`) may come before this step's remaining effects.
   It starts no step: it is never held back, and the rank stays at its step. That is
   the adversarial schedule for a receiver: it consumes as early as the steps in
-  flight allow. If the host then blocks on a relay event (or stream) whose
-  broadcast a peer has not posted yet, the receiver has outrun the ring: the run
-  stops with a `RingOverrunReport`. With a ring as deep as the steps in flight
-  this cannot happen, because every peer has completed the receive's step.
+  flight allow. If the host (or, at its next yield, the main stream it waits for)
+  then waits on a relay event (or stream) whose broadcast a peer has not posted
+  yet, the receiver has outrun the ring: the run stops with a `RingOverrunReport`.
+  With a ring as deep as the steps in flight this cannot happen, because every peer
+  has completed the receive's step.
 - When no rank can move and no collective can complete, the run stops with a
   `DeadlockReport` naming every stuck rank and stream, the op it waits at, and
-  the collective it comes down to.
+  the collective it comes down to. On gloo (`backend='gloo'`) a broadcast blocks
+  its host as a CPU all-reduce does; on NCCL it holds only its stream.
 - The stages of one replica agree their batch shape in separate DP groups, so
   their columns are compared too: the first agreement (by step, then replica) to
   which they contributed different columns stops the run with a
@@ -73,9 +78,10 @@ from purepp.effects.numpy_interpreter import (
     Stall,
     describe_effect,
 )
-from purepp.effects.scheduler import CollectiveHub, started_ahead
+from purepp.effects.scheduler import CollectiveHub, started_ahead, waiting_at
 from purepp.effects.vocabulary import (
     AllReduce,
+    Backend,
     Communicator,
     Effect,
     NoteDecision,
@@ -83,6 +89,7 @@ from purepp.effects.vocabulary import (
     Synchronize,
     WaitEvent,
     WaitStream,
+    check_backend,
 )
 from purepp.errors import ConfigError, InvalidInputError
 from purepp.layout import Layout
@@ -147,9 +154,10 @@ class _Rank:
     def at_step(self) -> int | None:
         """The step this rank is working on (every earlier step is fully issued); None
         once its program has ended and everything it yielded is issued."""
-        if self.interpreter.host_blocked():
-            stalls = self.interpreter.stalls()
-            return next(s.effect.step for s in stalls if s.stream is Stream.MAIN)
+        if self.interpreter.host_blocked() or (
+            not self.pending and not self.interpreter.main_idle()
+        ):
+            return _waiting(self.interpreter).effect.step
         if self.pending:
             return self.pending[0].step
         if self.finished:
@@ -170,13 +178,15 @@ class _Simulation:
         max_steps_in_flight: int,
         fill: int,
         compare_steps: bool,
+        backend: Backend,
     ) -> None:
         self._world = world
         self._in_flight = max_steps_in_flight
+        self._backend = backend
         self._hub = CollectiveHub(world, call=_CALL, compare_steps=compare_steps)
         self._ranks: list[_Rank] = []
         for rank in range(world.world_size):
-            interpreter = NumpyInterpreter(rank=rank, port=self._hub, fill=fill)
+            interpreter = NumpyInterpreter(rank=rank, port=self._hub, fill=fill, backend=backend)
             context = RankContext(
                 rank=rank,
                 stage=world.pp_stage(rank),
@@ -230,6 +240,11 @@ class _Simulation:
             if not rank.pending:
                 if rank.finished:
                     return progressed
+                if not rank.interpreter.main_idle():
+                    # Between yields the program may read what it yielded wrote, which
+                    # waits for the main stream (as a `.cpu()` copy does).
+                    self._check_overrun(rank)
+                    return progressed
                 step = next(rank.program, _END)
                 progressed = True
                 if step is _END:
@@ -269,9 +284,10 @@ class _Simulation:
         return tuple(held_back_by)
 
     def _check_overrun(self, rank: _Rank) -> None:
-        """A host wait on an earlier step's collective that a live peer has not even posted
-        is a ring overrun: the consumer is ahead of the producer's broadcasts."""
-        main = next(s for s in rank.interpreter.stalls() if s.stream is Stream.MAIN)
+        """A wait of the host (or of the main stream its program waits for between yields)
+        on an earlier step's collective that a live peer has not even posted is a ring
+        overrun: the consumer is ahead of the producer's broadcasts."""
+        main = _waiting(rank.interpreter)
         effect = main.effect
         if not isinstance(effect, WaitEvent | WaitStream | Synchronize) or main.culprit is None:
             return
@@ -308,8 +324,9 @@ class _Simulation:
             stream=stall.stream,
             step=stall.effect.step,
             op=stall.effect.op,
-            waiting_at=describe_effect(stall.effect),
+            waiting_at=waiting_at(stall.effect, self._backend),
             awaited=None if culprit is None else self._hub.awaited(culprit),
+            host=stall.host,
         )
 
     def _deadlock(self) -> DeadlockReport:
@@ -361,6 +378,12 @@ class _Simulation:
         return edges
 
 
+def _waiting(interpreter: NumpyInterpreter) -> Stall:
+    """What a rank that cannot go on waits at: its host's wait, else (between yields)
+    its main stream's."""
+    return next(s for s in interpreter.stalls() if s.host or s.stream is Stream.MAIN)
+
+
 def _check_order(rank: _Rank, effect: Effect, ahead: bool) -> None:
     last = rank.order_step
     if last is not None and effect.step < last:
@@ -399,6 +422,7 @@ def simulate(
     max_steps_in_flight: int | None = None,
     fill: int = POISON,
     compare_steps: bool = True,
+    backend: Backend = "nccl",
 ) -> SimulationResult:
     """Run `program` on every rank of `world` until every rank's program ends.
 
@@ -408,7 +432,10 @@ def simulate(
     ring depth the relay uses). `fill` is the contents of fresh buffers.
     `compare_steps=False` matches collectives as the wire does, ignoring the step
     labels (kind, source, shape and dtype must still agree): what a real run of a
-    program that pairs different steps would do.
+    program that pairs different steps would do. `backend` is what the relay's
+    broadcasts run on: 'nccl' queues each on its stream; 'gloo' (`purepp run`'s
+    default) blocks the issuing host until every member joins, so a broadcast and a
+    CPU all-reduce taken in crossed orders deadlock there.
 
     Raises `CollectiveReportError` (a `CollectiveMismatchError`) carrying a
     `MismatchReport`, `RingOverrunReport`, `DeadlockReport`, `StageDivergenceReport` or
@@ -433,5 +460,10 @@ def simulate(
     fill = check_int(_CALL, "fill", fill, -INT32_MAX - 1, config=True)
     compare_steps = check_bool(_CALL, "compare_steps", compare_steps, config=True)
     return _Simulation(
-        world, program, max_steps_in_flight=in_flight, fill=fill, compare_steps=compare_steps
+        world,
+        program,
+        max_steps_in_flight=in_flight,
+        fill=fill,
+        compare_steps=compare_steps,
+        backend=check_backend(_CALL, "backend", backend),
     ).run()

@@ -48,7 +48,7 @@ import datetime
 import functools
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import attrs
 import numpy as np
@@ -71,6 +71,7 @@ from purepp.effects.vocabulary import (
     Alias,
     Allocate,
     AllReduce,
+    Backend,
     Broadcast,
     BufferRef,
     CheckHeader,
@@ -114,8 +115,6 @@ __all__ = [
     "build_communicators",
     "init_distributed",
 ]
-
-Backend: TypeAlias = Literal["nccl", "gloo"]
 
 
 # --------------------------------------------------------------------------------------

@@ -12,13 +12,13 @@ from __future__ import annotations
 import enum
 import typing
 from collections.abc import Iterable
-from typing import TypeAlias
+from typing import Final, Literal, TypeAlias
 
 import attrs
 
 from purepp._text import a_type
 from purepp.effects.arrays import ARRAY_EQ, IntArray, int32_array, reduce_frozen
-from purepp.errors import InvalidInputError
+from purepp.errors import ConfigError, InvalidInputError
 
 __all__ = [
     "COLLECTIVES",
@@ -80,6 +80,25 @@ class Communicator(_Enum):
     DP_CPU = "dp_cpu"  # CPU (gloo) group over the DP ranks, the agreement table
     DP_DRAFTER_CPU = "dp_drafter_cpu"  # a second CPU group over the DP ranks: the drafter's lane
     PP_CPU = "pp_cpu"  # CPU (gloo) group over the PP ranks, an agreement across stages
+
+
+# What PP_RELAY runs on (the CPU groups are gloo either way). NCCL queues a broadcast on
+# its stream and returns; gloo's blocks the host that issues it until every member joins.
+Backend: TypeAlias = Literal["nccl", "gloo"]
+BACKENDS: Final[tuple[Backend, ...]] = ("nccl", "gloo")
+
+
+def check_backend(call: str, name: str, value: object) -> Backend:
+    """`value` as a `Backend`; a ConfigError naming `call`, `name` and the value if it is none."""
+    for backend in BACKENDS:
+        if type(value) is str and value == backend:
+            return backend
+    raise ConfigError(
+        call,
+        f"{name} is {value!r}, not a backend",
+        "pass 'nccl' (a broadcast queues on its stream) or 'gloo' (a broadcast blocks the "
+        "host until every member joins, as `purepp run --backend gloo` runs)",
+    )
 
 
 class DType(_Enum):
