@@ -1305,16 +1305,11 @@ def _send_packed(
                 index=inputs.idx_mapping,
                 out=gathered,
                 stream=relay,
+                index_rows=n,  # a short slot mapping would send zeros for drafts
             )
         )
         sections.append(
-            _Section(
-                buffer=gathered,
-                offset=layout.drafts,
-                shape=(rows, spec),
-                dtype=_INT64,
-                source_rows=n,  # one per entry of the caller's slot mapping
-            )
+            _Section(buffer=gathered, offset=layout.drafts, shape=(rows, spec), dtype=_INT64)
         )
         made.append(gathered)
         read += [inputs.idx_mapping, inputs.draft_table]
@@ -1426,6 +1421,7 @@ def broadcast_drafts(
             index=inputs.idx_mapping,
             out=send_drafts,
             stream=relay,
+            index_rows=batch.num_reqs,
         ),
         # Both were made on main and are read on the relay stream. The seed records only
         # the mapping (its draft table lives forever); a caller may bind a fresh table

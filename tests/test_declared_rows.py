@@ -45,6 +45,7 @@ from purepp.relay import (
     RelayConfig,
     RelayState,
     Wire,
+    broadcast_drafts,
     broadcast_sampled,
     consume_previous_step,
     default_buckets,
@@ -98,28 +99,31 @@ def sender_inputs(short: str | None) -> dict[str, torch.Tensor]:
 
 
 def send_steps(interp: TorchInterpreter, wire: Wire, shorts: list[str | None]) -> list[list[int]]:
-    """One packed send per entry of `shorts`, each with that input a row short (or none):
-    what each step put on the wire."""
+    """One send per entry of `shorts`, each with that input a row short (or none): what
+    each step put on the wire (the packed wires' one buffer, the seed wire's drafts)."""
     config = sender_config(wire)
     names = config.inputs
     state = init_relay(config)
     batch = decode_batch(BATCH)
     table = torch.arange(SLOTS * SPEC, dtype=torch.int64).reshape(SLOTS, SPEC)
+    table_spec = TensorSpec((SLOTS, SPEC), DType.INT64)
+    packed = wire is not Wire.SEED
     sent_wires = []
     for short in shorts:
         for field, tensor in sender_inputs(short).items():
             interp.bind(getattr(names, field), tensor)
         interp.bind(names.draft_table, table)
-        sent = broadcast_sampled(
-            config,
-            state,
-            batch,
-            TensorSpec((len(BATCH), SPEC + 1), DType.INT64),
-            TensorSpec((SLOTS, SPEC), DType.INT64),
-        )
+        tokens = TensorSpec((len(BATCH), SPEC + 1), DType.INT64)
+        sent = broadcast_sampled(config, state, batch, tokens, table_spec if packed else None)
         interp.perform(sent.effects)
-        sent_wires.append(interp.tensor(BufferRef(f"relay.step{state.step}.send_wire")).tolist())
-        ended = end_step(config, sent.state)
+        step, state = state.step, sent.state
+        if not packed:
+            drafted = broadcast_drafts(config, state, batch, table_spec)
+            interp.perform(drafted.effects)
+            state = drafted.state
+        sent_name = "send_wire" if packed else "send_draft_tokens"
+        sent_wires.append(interp.tensor(BufferRef(f"relay.step{step}.{sent_name}")).tolist())
+        ended = end_step(config, state)
         interp.perform(ended.effects)
         state = ended.state
     return sent_wires
@@ -141,27 +145,42 @@ def test_a_packed_send_refuses_an_input_a_row_short_in_every_mode(
     groups: dict[Communicator, dist.ProcessGroup], wire: Wire, short: str, mode: str
 ) -> None:
     """Behaviour: a sender's tokens, counts or slot mapping bound with one row fewer than
-    the batch is refused with a typed error naming it, in eager, checked and plan modes,
-    also after steps whose inputs fit were lowered into a plan. (The slot mapping
-    gathers the drafts it sends, so the gathered drafts are the short source there.)
+    the batch is refused with a typed error naming that input, in eager, checked and
+    plan modes, also after steps whose inputs fit were lowered into a plan. (The slot
+    mapping is the index of the gather of the drafts it sends.)
 
     Before, each packed as zeros in every mode: the receivers got a request whose count
     or tokens were zero, or drafts of slot 0, with no error."""
     interp = TorchInterpreter(device=CPU, groups=groups, rank=0, **MODES[mode])
     send_steps(interp, wire, [None, None])  # what fits sends, and a plan is lowered
-    source = "send_draft_tokens" if short == "idx_mapping" else ""
-    with pytest.raises(
-        InterpreterError, match=f"{source}.* has 2 rows where the section declares 3"
-    ):
+    name = getattr(sender_config(wire).inputs, short).name
+    says = (
+        rf"index '{name}' has shape \(2,\) where the gather declares 3 entries"
+        if short == "idx_mapping"
+        else f"source '{name}' has 2 rows where the section declares 3"
+    )
+    with pytest.raises(InterpreterError, match=says):
         send_steps(interp, wire, [short])
 
 
-@pytest.mark.parametrize("wire", [Wire.PACKED, Wire.FIXED], ids=["packed", "fixed"])
-def test_a_packed_send_with_fitting_inputs_packs_them_in_each_mode_alike(
+@pytest.mark.parametrize("mode", MODES)
+def test_a_seed_wire_draft_send_names_a_short_slot_mapping(
+    groups: dict[Communicator, dist.ProcessGroup], mode: str
+) -> None:
+    """On the seed wire too, a slot mapping a row short is named at the gather of the
+    drafts (before, the error named the relay's own gathered buffer at its broadcast)."""
+    interp = TorchInterpreter(device=CPU, groups=groups, rank=0, **MODES[mode])
+    send_steps(interp, Wire.SEED, [None, None])
+    with pytest.raises(InterpreterError, match=r"bind 'relay.input.idx_mapping' with 3 entries"):
+        send_steps(interp, Wire.SEED, ["idx_mapping"])
+
+
+@pytest.mark.parametrize("wire", list(Wire), ids=lambda wire: wire.value)
+def test_a_send_with_fitting_inputs_sends_them_in_each_mode_alike(
     groups: dict[Communicator, dist.ProcessGroup], wire: Wire
 ) -> None:
-    """The control of the test above: inputs of the batch's rows pack, and every mode's
-    wire holds the same bytes (the fixed wire's padding row stays zero)."""
+    """The control of the tests above: inputs of the batch's rows send, and every mode
+    sends the same values (the fixed wire's padding row stays zero)."""
     wires = []
     for mode in MODES.values():
         interp = TorchInterpreter(device=CPU, groups=groups, rank=0, **mode)

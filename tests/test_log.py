@@ -162,7 +162,8 @@ def test_record_lines_are_the_documented_format() -> None:
 # before a field was added, removed or renamed fails on that field, so such a change
 # bumps SCHEMA (old logs then get the version error) and regenerates the golden logs
 # (python -m tests.regen_golden). A new kind alone keeps old logs readable. (2: a
-# section's source_rows and a scatter's target_rows, declared bounds eager mode checks.)
+# section's source_rows, a gather's index_rows and a scatter's target_rows, declared
+# bounds that eager mode checks.)
 SCHEMA_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
     "purepp.effects/2": {
         "alias": ("step", "op", "source", "out"),
@@ -172,7 +173,7 @@ SCHEMA_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
         "check_header": ("step", "op", "buffer", "expected", "stream"),
         "copy_host_to_device": ("step", "op", "source", "buffer", "stream"),
         "forget_event": ("step", "op", "event"),
-        "gather_rows": ("step", "op", "source", "index", "out", "stream"),
+        "gather_rows": ("step", "op", "source", "index", "out", "stream", "index_rows"),
         "note_decision": (
             "step",
             "op",

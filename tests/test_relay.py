@@ -499,6 +499,7 @@ def test_broadcast_drafts_gathers_by_slot_and_sends_once() -> None:
             index=INPUTS.idx_mapping,
             out=send,
             stream=Stream.RELAY,
+            index_rows=3,  # one slot per batch row
         ),
         RecordStream(**tag, buffer=INPUTS.idx_mapping, stream=Stream.RELAY),
         # Beyond the seed: a caller may bind a fresh draft table each step (FF5).

@@ -476,6 +476,17 @@ class Environment(Generic[B, E, W]):
                     "declare at most the section's own rows (None: any up to them)",
                 )
 
+    def check_index_rows(self, effect: GatherRows, shape: Shape) -> None:
+        """The index has the entries the gather declares (one per batch row)."""
+        rows = effect.index_rows
+        if rows is not None and tuple(shape) != (rows,):
+            self.fail(
+                effect,
+                f"index {effect.index.name!r} has shape {tuple(shape)} where the gather "
+                f"declares {rows} entries",
+                f"bind {effect.index.name!r} with {rows} entries, one per batch row",
+            )
+
     def check_target_rows(self, effect: ScatterRows, shape: Shape) -> None:
         """The target has the rows the scatter declares its index stays below."""
         rows = effect.target_rows

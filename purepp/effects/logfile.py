@@ -475,6 +475,9 @@ _BLANK_DIGITS = bytes.maketrans(b"23456789", b"11111111")
 _DIGITS = frozenset(b"0123456789")
 # Ten digits may exceed an int32 array's range, fewer never do.
 _LONG_NUMBER = re.compile(rb"[0-9]{10}")
+# Nineteen may exceed int64 (the reader's bound on every integer), fewer never do: such a
+# line has no template, since a line of its key may differ from it past that bound.
+_INT64_LONG_NUMBER = re.compile(rb"[0-9]{19}")
 _REFS: Final = (BufferRef, EventRef, WorkRef)
 
 # Builds a record's effect from the text after its step (the regex's last group) and
@@ -548,10 +551,10 @@ _MAX_TEMPLATES = 4096
 def _template(rest: bytes, effect: Effect, kind: str) -> _Template | None:
     """The template of a valid line whose text after its step is `rest`; None if unusual.
 
-    Escapes (a backslash) could spell digits with letters, so such lines are always
-    read in full.
+    Escapes (a backslash) could spell digits with letters, and a number of nineteen
+    digits or more may lie past int64, so such lines are always read in full.
     """
-    if b"\\" in rest:
+    if b"\\" in rest or _INT64_LONG_NUMBER.search(rest) is not None:
         return None
     return _Template(
         kind=kind,

@@ -848,6 +848,7 @@ class NumpyInterpreter:
     def _gather_rows(self, effect: GatherRows) -> None:
         source = self._env.lookup(effect, effect.source)
         index = self._index(effect, effect.index)
+        self._env.check_index_rows(effect, index.array.shape)
         self._env.check_unbound(effect, effect.out)
         self._env.check_gather(effect, effect.source, source.array.shape)
         shape = (index.array.shape[0], *source.array.shape[1:])

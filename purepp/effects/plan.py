@@ -199,7 +199,8 @@ def _stack_rows(e: StackRows, at: At, n: Size) -> Hashable:
 
 
 def _gather_rows(e: GatherRows, at: At, n: Size) -> Hashable:
-    return (15, at(e.source, n()), at(e.index, n()), at(e.out, n()), e.stream._value_)
+    source, index, out = at(e.source, n()), at(e.index, n()), at(e.out, n())
+    return (15, source, index, out, e.stream._value_, e.index_rows)
 
 
 def _scatter_rows(e: ScatterRows, at: At, n: Size) -> Hashable:

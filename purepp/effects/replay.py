@@ -460,6 +460,8 @@ class _Analysis:
     def gather_rows(self, effect: GatherRows) -> None:
         terms, source, index = self.terms, self.get(effect.source), self.get(effect.index)
         count = terms.vector(index.shape, self.where)
+        if effect.index_rows is not None:  # the entries it declares
+            terms.fix_size(count, effect.index_rows, self.where)
         rows, rest = terms.split(source.shape, self.where)
         self.rows_for(rows, index, effect.index)
         self.live[effect.out] = _Tensor(terms.cons(count, rest), source.dtype, source.top)

@@ -667,7 +667,8 @@ class TorchInterpreter:
                 env.check_stack(effect, effect.sources, layouts)
             case GatherRows():
                 source = lookup(effect, effect.source)
-                self._check_index(effect, effect.index)
+                index = self._check_index(effect, effect.index)
+                env.check_index_rows(effect, _shape(index))
                 env.check_gather(effect, effect.source, _shape(source))
                 self._check_rows(effect)
             case ScatterRows():
@@ -983,6 +984,9 @@ class TorchInterpreter:
         env = self.env
         source = env.lookup(effect, effect.source)
         index = env.lookup(effect, effect.index)
+        rows = effect.index_rows
+        if rows is not None and (index.dim() != 1 or index.shape[0] != rows):
+            self._validate(effect)  # a short index: its gather would be short
         env.check_unbound(effect, effect.out)
         self.on_stream(effect.stream)
         try:

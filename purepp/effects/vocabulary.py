@@ -398,6 +398,9 @@ class GatherRows:
     index: BufferRef  # 1-D row indices
     out: BufferRef  # a new buffer
     stream: Stream  # stream the kernel runs on
+    # The entries `index` must have, exactly (the batch's rows; None: any). A short index
+    # would gather a short buffer, which a later Pack would fill out with zeros.
+    index_rows: int | None = None
 
 
 @attrs.frozen(kw_only=True)
