@@ -414,7 +414,7 @@ def test_a_four_rank_cycle_through_pp_cpu_and_dp_cpu_is_named_alike_by_both(
         (1, PP_CPU, 0, 0),
     ]
     assert sim.cycle.communicators == {DP_CPU, PP_CPU}
-    assert "one issue order" in sim.fix()
+    assert "in one order on every rank" in sim.fix()
     assert (
         "  wait-for cycle: rank 0 -> dp_cpu op #0 -> rank 2 -> pp_cpu op #0 -> rank 3"
         " -> dp_cpu op #0 -> rank 1 -> pp_cpu op #0 -> rank 0"

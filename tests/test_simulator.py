@@ -552,7 +552,7 @@ def test_two_communicators_taken_in_opposite_orders_deadlock() -> None:
         "  wait-for cycle: rank 0 -> pp_cpu op #0 -> rank 1 -> pp_relay op #0 -> rank 0"
         in report.render().splitlines()
     )
-    assert "one issue order" in report.fix()
+    assert "in one order on every rank" in report.fix()
 
 
 def test_two_communicators_taken_in_opposite_orders_on_one_stream_deadlock_though_all_posted() -> (
@@ -841,7 +841,7 @@ def test_a_rank_held_back_by_a_stuck_peer_is_named_with_it() -> None:
     assert (
         report.cycle.render() == "rank 0 -> (steps in flight) -> rank 1 -> pp_cpu op #0 -> rank 0"
     )
-    assert "one issue order" not in report.fix()
+    assert "in one order on every rank" not in report.fix()
 
 
 def test_steps_never_go_back() -> None:

@@ -348,6 +348,7 @@ class _Check:
             "check_logs",
             "the backend in the logs' header config",
             streams[0].header.config.get("backend", "nccl"),
+            "record the logs again (`purepp run --backend nccl|gloo` writes the one it ran on)",
         )
         self._world, self._in_flight, self._backend = world, in_flight, backend
         self._hub = CollectiveHub(world, call=_CALL, move_data=False)
@@ -601,9 +602,12 @@ class _Check:
         return self._finding(deadlock)
 
     def _at_step(self, rank: _RankReplay) -> int | None:
-        if rank.lanes.host_blocked() or self._between_steps(rank):
-            return rank.lanes.at_step()
         item = rank.peek()
+        # A log that ended on a stuck main stream is at that stream's step, as in the
+        # simulator (its program waits for the main stream before it ends).
+        ended_stuck = item is None and not rank.lanes.main_idle()
+        if rank.lanes.host_blocked() or ended_stuck or self._between_steps(rank):
+            return rank.lanes.at_step()
         return None if item is None else item[0]
 
     def _missing_rank(self, pending: tuple[AwaitedCollective, ...]) -> MismatchReport | None:

@@ -508,7 +508,8 @@ class DeadlockReport:
         if self.cycle is not None and len(self.cycle.communicators) > 1:
             return (
                 "issue collectives on every communicator in one order on every rank"
-                " (NCCL asks for one issue order across communicators)"
+                " (taken in crossed orders, each rank waits in one for a collective that"
+                " the other issues only after it)"
             )
         if self.unwaited and not self.waiters and not self.pending:
             return (

@@ -257,6 +257,9 @@ class _Simulation:
             ahead = rank.ahead(effect)
             if not ahead and effect.step > rank.allowed_step:
                 if self._held_back_by(rank, effect.step):
+                    if not rank.interpreter.main_idle():
+                        # Stopped here, it waits for its main stream as at a yield.
+                        self._check_overrun(rank)
                     return progressed
                 rank.allowed_step = effect.step
             _check_order(rank, effect, ahead)

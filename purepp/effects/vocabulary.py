@@ -88,16 +88,18 @@ Backend: TypeAlias = Literal["nccl", "gloo"]
 BACKENDS: Final[tuple[Backend, ...]] = ("nccl", "gloo")
 
 
-def check_backend(call: str, name: str, value: object) -> Backend:
-    """`value` as a `Backend`; a ConfigError naming `call`, `name` and the value if it is none."""
+def check_backend(call: str, name: str, value: object, fix: str | None = None) -> Backend:
+    """`value` as a `Backend`; a ConfigError naming `call`, `name` and the value if it is
+    none, with `fix` (default: pass one)."""
     for backend in BACKENDS:
         if type(value) is str and value == backend:
             return backend
     raise ConfigError(
         call,
         f"{name} is {value!r}, not a backend",
-        "pass 'nccl' (a broadcast queues on its stream) or 'gloo' (a broadcast blocks the "
-        "host until every member joins, as `purepp run --backend gloo` runs)",
+        fix
+        or "pass 'nccl' (a broadcast queues on its stream) or 'gloo' (a broadcast blocks "
+        "the host until every member joins, as `purepp run --backend gloo` runs)",
     )
 
 
