@@ -294,6 +294,42 @@ def test_the_crossed_program_really_hangs_on_gloo_until_its_collectives_time_out
     assert "AllReduce step=0 op=agree" in all_reduce
 
 
+def crossed_on_nccl(context: ProcessContext) -> str:
+    """Rank `context.rank` of the crossed program with its relay on NCCL (one GPU each)."""
+    groups = build_communicators(
+        pp_groups=[[0, 1]], dp_groups=[[0], [1]], relay_backend="nccl", timeout=context.timeout
+    )
+    interp = TorchInterpreter(device=context.device, groups=groups, rank=context.rank)
+    if context.rank == 0:
+        wire = torch.tensor([4, 5, 6], dtype=torch.int64, device=context.device)
+        interp.bind(BufferRef("wire.0"), wire)
+    dist.barrier()
+    batch = crossed(Stream.RELAY)[context.rank][0]
+    try:
+        interp.perform(batch[1:] if context.rank == 0 else batch)
+        torch.cuda.synchronize()
+    except PeerFailureError as error:
+        return f"PeerFailureError: {error}"
+    return "completed"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"
+)
+def test_the_crossed_program_completes_on_nccl_from_its_first_step() -> None:
+    """Two NCCL processes run the crossed program at step 0: each broadcast only queues
+    on its stream, so both complete, as the NCCL model says. (`build_communicators`
+    creates the relay's NCCL communicator: created by the first broadcast instead, its
+    creation would block rank 0's host until rank 1 joins, and rank 1 waits in its CPU
+    all-reduce for rank 0: a hang at step 0 that the model does not have.)"""
+    outcomes = spawn_ranks(
+        crossed_on_nccl, 2, backend="nccl", timeout=HANG_TIMEOUT, deadline_s=120.0
+    )
+    assert all(outcome.ok for outcome in outcomes), describe_outcomes(outcomes)
+    assert [outcome.value for outcome in outcomes] == ["completed", "completed"]
+
+
 # -- gap 5: the host and the main stream are two lanes --------------------------------------
 
 

@@ -261,7 +261,25 @@ def build_communicators(
     for ranks in dp:
         for comm in (Communicator.DP_CPU, Communicator.DP_DRAFTER_CPU):
             created.append((comm, _new_group(ranks, "gloo", timeout, comm)))
-    return {comm: group for comm, group in created if group is not None}
+    groups = {comm: group for comm, group in created if group is not None}
+    relay = groups.get(Communicator.PP_RELAY)
+    if relay_backend == "nccl" and relay is not None:
+        _create_nccl_communicator(relay)
+    return groups
+
+
+def _create_nccl_communicator(group: dist.ProcessGroup) -> None:
+    """Create `group`'s NCCL communicator now, with one tiny all-reduce over its members.
+
+    torch creates it at the group's first collective, and that creation blocks the host
+    until every member joins (ncclCommInitRank synchronises the ranks): the relay's
+    first broadcast would hold its host as a gloo broadcast does, so a rank that first
+    meets a peer's CPU all-reduce would hang at step 0, where every later step queues
+    the broadcast on its stream (as the stream model takes an NCCL broadcast).
+    """
+    probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(probe, group=group)
+    torch.cuda.current_stream().synchronize()
 
 
 # --------------------------------------------------------------------------------------
