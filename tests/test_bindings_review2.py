@@ -150,10 +150,12 @@ def test_the_seed_wire_refuses_inputs_with_fewer_rows_than_the_batch(
     groups: Groups, mode: str, short: str
 ) -> None:
     """The control of the test below: on the seed's wire, counts (or a slot mapping) for
-    fewer rows than the batch are refused with a typed error (the broadcast's wire check),
-    in every mode."""
+    fewer rows than the batch are refused with a typed error, in every mode: the counts
+    by the broadcast's wire check, the slot mapping by the gather that declares its
+    entries, naming it."""
     spec, shorten = SHORT_INPUTS[short]
-    with pytest.raises(PureppError, match="wire"):
+    says = "relay.input.idx_mapping' has shape" if short.startswith("a slot") else "wire"
+    with pytest.raises(PureppError, match=says):
         send(make_interpreter(mode, groups), Wire.SEED, spec, shorten(good_inputs(spec)))
 
 
