@@ -35,14 +35,10 @@ from purepp.effects.numpy_interpreter import LifetimeViolation, NumpyInterpreter
 from purepp.effects.simulator import RankContext, simulate
 from purepp.effects.torch_interpreter import TorchInterpreter, build_communicators
 from purepp.effects.vocabulary import (
-    Allocate,
-    AllReduce,
     Backend,
-    Broadcast,
     BufferRef,
     Communicator,
     CopyHostToDevice,
-    DType,
     Effect,
     EventRef,
     GatherRows,
@@ -53,7 +49,6 @@ from purepp.effects.vocabulary import (
     Synchronize,
     WaitEvent,
     WaitStream,
-    WorkRef,
 )
 from purepp.errors import ConfigError, PeerFailureError
 from purepp.layout import Layout
@@ -65,45 +60,14 @@ from purepp.testing import (
 )
 from tests._dist import RankContext as ProcessContext
 from tests._dist import describe_outcomes, spawn_ranks
+from tests.test_streams_review2 import agree, wire
 
 Program = list[list[tuple[Effect, ...]]]  # per rank, its effect batches in order
 
 WORLD = Layout(pp=2, dp=1)  # two stages of one replica: PP_RELAY and PP_CPU span both
 
 
-# -- helpers (as tests/test_streams_review2.py's, with the backend) -----------------------
-
-
-def wire(step: int, src: int, *, stream: Stream = Stream.RELAY) -> tuple[Allocate, Broadcast]:
-    """A fresh int64 [3] buffer on `stream`, broadcast from `src` over PP_RELAY."""
-    buffer = BufferRef(f"wire.{step}")
-    return (
-        Allocate(
-            step=step, op=Op.RECEIVE, buffer=buffer, shape=(3,), dtype=DType.INT64, stream=stream
-        ),
-        Broadcast(
-            step=step,
-            op=Op.RECEIVE,
-            buffer=buffer,
-            shape=(3,),
-            dtype=DType.INT64,
-            src=src,
-            comm=Communicator.PP_RELAY,
-            stream=stream,
-        ),
-    )
-
-
-def agree(step: int, *, work: str | None = None) -> AllReduce:
-    """An all-reduce of a zero 2 x 2 table over PP_CPU (a gloo group), sync unless `work`."""
-    return AllReduce(
-        step=step,
-        op=Op.AGREE,
-        contribution=np.zeros((2, 2), dtype=np.int32),
-        result=BufferRef(f"table.{step}"),
-        comm=Communicator.PP_CPU,
-        work=None if work is None else WorkRef(work),
-    )
+# -- helpers (tests/test_streams_review2.py's, with the backend) -------------------------
 
 
 def simulated(program: Program, *, backend: Backend) -> Report | None:
