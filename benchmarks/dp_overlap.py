@@ -157,15 +157,18 @@ class Rank:
             group=AgreementGroup(dp_size=WORLD, dp_rank=rank),
             dispatcher=dispatcher,
         )
-        self.driver = RankDriver(self.config, self.timed, TorchIO(self.interpreter))
         self.sampled = Sampled(
             tokens=torch.zeros((ROWS, 1), dtype=torch.int64),
             num_sampled=torch.ones(ROWS, dtype=torch.int32),
             num_rejected=torch.zeros(ROWS, dtype=torch.int32),
         )
 
+    def fresh(self) -> RankDriver[torch.Tensor]:
+        """A driver for one run from step 0 (a driver takes its own states only)."""
+        return RankDriver(self.config, self.timed, TorchIO(self.interpreter))
+
     def run_sync(self, steps: int, forward: Callable[[], None]) -> list[float]:
-        driver, state = self.driver, init_rank(self.config)
+        driver, state = self.fresh(), init_rank(self.config)
         step_s = []
         for step in range(steps):
             start = time.perf_counter()
@@ -177,7 +180,7 @@ class Rank:
         return step_s
 
     def run_overlap(self, steps: int, forward: Callable[[], None]) -> list[float]:
-        driver, state = self.driver, init_rank(self.config)
+        driver, state = self.fresh(), init_rank(self.config)
         step_s = []
         for step in range(steps):
             start = time.perf_counter()

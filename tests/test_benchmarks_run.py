@@ -47,3 +47,22 @@ def test_a_cpu_benchmark_runs_to_its_table(arguments: list[str]) -> None:
     rows = [line for line in result.stdout.splitlines() if line.startswith(("| ", "dp="))]
     assert any("receiver" in row or "eager" in row for row in rows), result.stdout
     assert any("sender" in row or "graph" in row for row in rows), result.stdout
+
+
+OVERLAP_ARGUMENTS = ["--steps", "12", "--rounds", "1", "--ratios", "1.0", "--forward", "spin"]
+
+
+def test_the_overlap_benchmark_runs_both_ways_on_two_gloo_ranks() -> None:
+    """`dp_overlap` drives a `RankDriver` per run, in both ways (a driver takes only the
+    states it handed out, so one reused across runs from step 0 is refused)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.dp_overlap", *OVERLAP_ARGUMENTS],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "sync: exposed" in result.stdout, result.stdout
+    assert any(line.lstrip().startswith("1.0 L") for line in result.stdout.splitlines())
