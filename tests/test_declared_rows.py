@@ -21,7 +21,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from purepp.batch import BatchFacts
 from purepp.effects.log import EffectLog, LogHeader, dump_log, load_log
 from purepp.effects.numpy_interpreter import NumpyInterpreter
 from purepp.effects.torch_interpreter import TorchInterpreter, build_communicators
@@ -54,21 +53,12 @@ from purepp.relay import (
     receive,
 )
 from tests._dist import RankContext, run_ranks
+from tests.test_relay_review2 import decode_batch
 
 CPU = torch.device("cpu")
 SLOTS = 8
 SPEC = 1
 BATCH = [5, 1, 6]  # three requests; a fixed wire sends them on its 4-row bucket
-
-
-def decode_batch(slots: list[int]) -> BatchFacts:
-    n = len(slots)
-    return BatchFacts(
-        idx_mapping=np.array(slots, dtype=np.int32),
-        num_computed_tokens=np.full(n, 10, dtype=np.int32),
-        num_scheduled_tokens=np.ones(n, dtype=np.int32),
-        prefill_len=np.full(n, 4, dtype=np.int32),
-    )
 
 
 def sender_config(wire: Wire) -> RelayConfig:

@@ -19,7 +19,6 @@ from purepp.effects.simulator import RankContext, simulate
 from purepp.effects.vocabulary import (
     Allocate,
     AllReduce,
-    Broadcast,
     BufferRef,
     Communicator,
     DType,
@@ -32,32 +31,11 @@ from purepp.effects.vocabulary import (
     WaitEvent,
 )
 from purepp.layout import Layout
+from tests.test_streams_review2 import wire
 
 Program = list[list[tuple[Effect, ...]]]  # per rank, its effect batches in order
 
 PAIR = Layout(pp=2, dp=1)  # one pipeline of two stages: rank 1 is the last (the sender)
-
-
-def wire(
-    step: int, src: int, *, name: str = "wire", stream: Stream = Stream.RELAY
-) -> tuple[Allocate, Broadcast]:
-    """A fresh int64 [3] buffer on `stream`, broadcast from `src` over PP_RELAY."""
-    buffer = BufferRef(f"{name}.{step}")
-    return (
-        Allocate(
-            step=step, op=Op.RECEIVE, buffer=buffer, shape=(3,), dtype=DType.INT64, stream=stream
-        ),
-        Broadcast(
-            step=step,
-            op=Op.RECEIVE,
-            buffer=buffer,
-            shape=(3,),
-            dtype=DType.INT64,
-            src=src,
-            comm=Communicator.PP_RELAY,
-            stream=stream,
-        ),
-    )
 
 
 def agree(step: int, comm: Communicator = Communicator.PP_CPU) -> AllReduce:

@@ -359,11 +359,11 @@ class Plan:
         ]
         # A captured Unpack of an input stages it whole and views the copy, so the guard
         # also holds that the input starts aligned for its widest section, as eager needs.
-        read_at = {names[p]: p for p in inputs}
+        read_at = {names[p]: p for p in inputs} if device else {}
         self._aligned = [
             (read_at[e.source], max(itemsize(s.dtype) for s in e.sections))
             for e in effects
-            if device and type(e) is Unpack and e.source in read_at and e.sections
+            if type(e) is Unpack and e.source in read_at and e.sections
         ]
         # Each READ position's works that the batch waits on before its first use: such a
         # table may still be in flight when the batch starts (it waits, then reads).
