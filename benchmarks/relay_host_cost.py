@@ -23,10 +23,12 @@ Every rank is one process of a one-rank world (gloo on CPU, NCCL on one GPU, the
 group a second group over the same rank), so every broadcast is a real collective with
 nothing on the wire and the figures are the host cost of issuing each step's work. Host
 time is perf_counter around the step calls; on CUDA the device is synchronised only
-between rounds. On CUDA a sync count (steady state, `torch.cuda.set_sync_debug_mode
-("warn")`) is reported per 200 steps for each device contender.
+between rounds, or with `--drain` after every step, untimed (a contender whose device work
+outlasts its host calls then never waits for a full launch queue). On CUDA a sync count
+(steady state, `torch.cuda.set_sync_debug_mode("warn")`) is reported per 200 steps for
+each device contender.
 
-    python -m benchmarks.relay_host_cost [--device cpu|cuda] [--quick] [--json OUT]
+    python -m benchmarks.relay_host_cost [--device cpu|cuda] [--quick] [--drain] [--json OUT]
 """
 
 from __future__ import annotations
@@ -446,19 +448,40 @@ def build_contenders(
 
 
 def time_rounds(
-    contenders: list[Contender], steps: int, rounds: int, warmup: int, sync: Callable[[], None]
+    contenders: list[Contender],
+    steps: int,
+    rounds: int,
+    warmup: int,
+    sync: Callable[[], None],
+    *,
+    drain: bool = False,
 ) -> None:
+    """Each contender's host seconds per step, one figure per round.
+
+    With `drain`, each step is timed alone and the device is synchronised after it,
+    untimed: the step's calls then never wait for a full launch queue, so a contender
+    whose device work outlasts its host calls is timed by its host calls alone.
+    """
     for contender in contenders:
         contender.advance(warmup)  # plans lowered, graphs captured, communicators up
     sync()
+    clock = time.perf_counter
     for r in range(rounds):
         # Interleaved, and the order rotates, so drift and cache effects hit every one alike.
         order = contenders[r % len(contenders) :] + contenders[: r % len(contenders)]
         for contender in order:
-            start = time.perf_counter()
-            contender.advance(steps)
-            elapsed = time.perf_counter() - start
-            sync()
+            if drain:
+                elapsed = 0.0
+                for _ in range(steps):
+                    start = clock()
+                    contender.advance(1)
+                    elapsed += clock() - start
+                    sync()
+            else:
+                start = clock()
+                contender.advance(steps)
+                elapsed = clock() - start
+                sync()
             contender.times.append(elapsed / steps)
 
 
@@ -532,6 +555,7 @@ def run_case(
     groups: dict[Communicator, dist.ProcessGroup],
     modes: dict[Mode, str],
     profile: Sequence[str] = (),
+    drain: bool = False,
 ) -> dict[str, Any]:
     cuda = device.type == "cuda"
     slots = 2 * case.rows
@@ -540,7 +564,7 @@ def run_case(
         case, inputs, pp=pp, slots=slots, device=device, groups=groups, modes=modes
     )
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    time_rounds(contenders, steps, rounds, warmup, sync)
+    time_rounds(contenders, steps, rounds, warmup, sync, drain=drain)
     figures: dict[str, dict[str, Any]] = {
         c.name: {**_micros(c.times), "rounds_us": [t * 1e6 for t in c.times]} for c in contenders
     }
@@ -677,6 +701,11 @@ def main() -> None:
         metavar="CONTENDER",
         help="after each case's rounds, cProfile these contenders (seed, eager, plan, ...)",
     )
+    parser.add_argument(
+        "--drain",
+        action="store_true",
+        help="time each step alone and synchronise the device after it, untimed",
+    )
     parser.add_argument("--quick", action="store_true", help="500 steps x 3 rounds (CUDA: ~2 min)")
     parser.add_argument("--json", metavar="OUT", help="write every figure to this JSON file")
     args = parser.parse_args()
@@ -717,6 +746,7 @@ def main() -> None:
                 groups=groups,
                 modes=available,
                 profile=args.profile,
+                drain=args.drain,
             )
             results.append(result)
             print(f"  {case.label}: {time.perf_counter() - started:.1f} s", flush=True)
@@ -724,7 +754,8 @@ def main() -> None:
     print()
     print(
         f"device={device} ({name}) torch={TORCH_VERSION} pp={args.pp} steps={args.steps} "
-        f"rounds={args.rounds} warmup={args.warmup}: host us/step, median; ratios median (best)"
+        f"rounds={args.rounds} warmup={args.warmup}{' drained' if args.drain else ''}: "
+        "host us/step, median; ratios median (best)"
     )
     print()
     print(markdown(results))
@@ -740,6 +771,7 @@ def main() -> None:
             "steps": args.steps,
             "rounds": args.rounds,
             "warmup": args.warmup,
+            "drain": args.drain,
             "modes_unavailable": missing,
             "cases": results,
         }

@@ -31,8 +31,13 @@ ROOT = Path(__file__).resolve().parent.parent
             "--no-effects",
         ],
         ["benchmarks.dp_agreement", "--rounds", "1", "--iters", "5", "--no-collective"],
+        [
+            "benchmarks.relay_host_cost",
+            *("--steps", "5", "--rounds", "1", "--warmup", "3", "--rows", "8", "--spec", "0"),
+            "--drain",
+        ],
     ],
-    ids=["pure_breakdown", "pure_breakdown_no_effects", "dp_agreement"],
+    ids=["pure_breakdown", "pure_breakdown_no_effects", "dp_agreement", "relay_host_cost_drain"],
 )
 def test_a_cpu_benchmark_runs_to_its_table(arguments: list[str]) -> None:
     result = subprocess.run(
