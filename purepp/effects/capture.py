@@ -40,10 +40,16 @@ segment binds anew over a slot still in use (an input it read, then released) ge
 slot of its own; an Alias reads and writes its source's.
 
 Static memory is rewritten on S by a later replay of the same instance, once no name
-holds it: the readers' streams must be ordered before that replay, as the relay's are
-(each receive and send begins with WaitStream(relay, main), so a receive's outputs read
-on main at consume are read before the relay stream writes them again). RecordStream
-of static memory is skipped: the allocator never reuses it.
+holds it, so every stream that uses it must be ordered before that replay. Eager
+declares a use on another stream by RecordStream, after which the allocator frees the
+buffer only once that stream is past it; a replay keeps that promise only if S waits for
+the stream first. So a plan is captured only if every stream its batch records static
+memory on is S or one its prefix makes S wait for (WaitStream), as the relay's batches
+do: each receive and send begins with WaitStream(relay, main), so a receive's outputs
+read on main at consume are read before the relay stream writes them again. Those
+RecordStreams are skipped (the allocator never reuses static memory). A later batch's
+RecordStream of static memory (or a view of it) on any other stream stops that plan's
+replays: it runs eager's handlers, with fresh memory, from then on (`Planner.recorded`).
 
 Outputs outlive the step. The relay keeps what it receives for `ring_depth` steps, so
 a replay must not overwrite outputs that are still in use. Each plan keeps up to
@@ -230,6 +236,9 @@ class _Capturable:
     # which the allocator never reuses: nothing to record
     skipped: frozenset[int]
     plan: Plan  # the plan it was analysed from
+    # S and the streams the prefix makes S wait for (WaitStream): a static output used
+    # on one of these (RecordStream) is read before the next replay rewrites it
+    ordered: frozenset[Stream]
     instances: list[_Instance] = attrs.Factory(list)
     turn: int = 0  # the instance tried first next time
     # `copied` by dtype, from the first staging (a prefix may bind some of them)
@@ -452,9 +461,13 @@ def _capture(interp: TorchInterpreter, capturable: _Capturable, names: list[Name
             slots[q] = section_view(slots[p], section)
             views.append(q)
     static = _static_outputs(interp)
+    planner = interp.planner
     for p in (*capturable.made, *views):
         # No local holds an output past this line: the baselines below count references.
         static[id(slots[p])] = weakref.ref(slots[p])
+        if planner is not None:
+            storage: Any = slots[p].untyped_storage()  # the narrow stubs lack data_ptr
+            planner.static_plans[storage.data_ptr()] = capturable.plan
     # Baselines: what holds each output now (the slots dict, views made while capturing).
     # The static views are bound to names themselves, so their own references tell too
     # (their storage is their source's, whose use count covers every view of it).
@@ -578,6 +591,7 @@ class _Segment:
         self.views: dict[int, int] = {}  # key of each view an Unpack binds -> its source's
         self.keys: dict[int, int] = {}  # position -> its slot key, where not the position
         self.shared: set[int] = set()  # keys an Alias binds a second name to
+        self.static_uses: set[Stream] = set()  # streams a RecordStream of static memory names
         self._fresh = 0
 
     def key(self, position: int) -> int:
@@ -709,6 +723,22 @@ def _analyse(
             p = at[effect.buffer]
             if p in viewed or segment.key(p) in made:
                 skipped.add(index)
+                segment.static_uses.add(effect.stream)
+    # The next replay of an instance rewrites its static memory on S; eager would reuse
+    # that memory only once the streams it was recorded on are past their uses. So
+    # capture only when every such stream is S or one the prefix makes S wait for (the
+    # relay's batches begin with WaitStream(relay, main)); else the plan runs eager's
+    # handlers, whose fresh buffers the allocator frees stream-safely.
+    ordered = frozenset(
+        {stream}
+        | {
+            effect.waits_for
+            for effect in effects[:first]
+            if isinstance(effect, WaitStream) and effect.stream is stream
+        }
+    )
+    if not segment.static_uses <= ordered:
+        return None
     return _Capturable(
         stream=stream,
         first=first,
@@ -727,6 +757,7 @@ def _analyse(
         static_views=static_views,
         skipped=frozenset(skipped),
         plan=plan,
+        ordered=ordered,
     )
 
 
@@ -765,7 +796,12 @@ def _lower(
             return None
         case RecordStream():
             p = at[effect.buffer]
-            if segment.key(p) not in segment.made:  # static outputs need no record
+            key = segment.key(p)
+            if segment.views.get(key, key) in segment.made:
+                # Static memory: no record (the allocator never reuses it), but a use
+                # the next replay must be ordered after (`_analyse`).
+                segment.static_uses.add(effect.stream)
+            else:
                 segment.name_ops.append(_Record(p, effect.stream))
             return None
         case (

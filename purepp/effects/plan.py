@@ -71,6 +71,7 @@ from purepp.effects.vocabulary import (
     ScatterRows,
     Section,
     StackRows,
+    Stream,
     Synchronize,
     Unpack,
     WaitEvent,
@@ -533,6 +534,9 @@ class Planner:
         self._guarded = capture or interp.checked  # plans that need their guards
         # Static outputs of every captured graph instance, by id (purepp.effects.capture).
         self.static_outputs: dict[int, weakref.ref[torch.Tensor]] = {}
+        # The plan whose instances own each static output's memory, by its address: a
+        # RecordStream of any view of it finds the plan (`recorded`).
+        self.static_plans: dict[int, Plan] = {}
         self.lowered = 0  # plans made
         self.planned = 0  # batches run by a plan (not replayed)
         self.eager = 0  # batches run eagerly: first meetings, bindings that did not fit
@@ -601,6 +605,16 @@ class Planner:
         variants.append(plan)
         self.lowered += 1
         return True
+
+    def recorded(self, tensor: torch.Tensor, stream: Stream) -> None:
+        """A RecordStream of `tensor` on `stream` (eager's handler calls this while any
+        graph instance exists). Static memory used on a stream its plan's replays are not
+        ordered after would be rewritten under that use by the next replay: the plan
+        replays no more, and runs eager's handlers (fresh memory) from now on."""
+        storage: Any = tensor.untyped_storage()  # the narrow stubs lack data_ptr
+        plan = self.static_plans.get(storage.data_ptr())
+        if plan is not None and stream not in plan.capture.ordered:
+            plan.uncapturable = True
 
     def _run(self, plan: Plan, effects: tuple[Effect, ...], names: list[Name]) -> None:
         interp = self._interp

@@ -811,6 +811,9 @@ class TorchInterpreter:
         tensor = self.env.lookup(effect, effect.buffer)
         if self._streams is not None:
             tensor.record_stream(self._streams[effect.stream])
+        planner = self._planner
+        if planner is not None and planner.static_plans:  # a graph's memory may be named
+            planner.recorded(tensor, effect.stream)
 
     def _synchronize(self, effect: Synchronize) -> None:
         # CPU: every kernel has finished when it returns, so there is nothing to wait for.
