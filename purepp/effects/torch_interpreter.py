@@ -56,7 +56,7 @@ import numpy.typing as npt
 import torch
 import torch.distributed as dist
 
-from purepp._checks import check_bool, check_int
+from purepp._checks import as_int, check_bool, check_int
 from purepp._text import a_type
 from purepp.effects._environment import Call, Environment
 from purepp.effects.keyed import KeyedEffects
@@ -96,6 +96,7 @@ from purepp.effects.vocabulary import (
     WaitStream,
     WaitWork,
     WorkRef,
+    check_backend,
     effect_batch,
 )
 from purepp.errors import (
@@ -123,6 +124,10 @@ __all__ = [
 
 
 def _check_timeout(call: str, timeout: datetime.timedelta) -> None:
+    given: object = timeout  # a caller's value, whatever its annotation says
+    if not isinstance(given, datetime.timedelta):
+        shown = f"timeout={given!r} is {a_type(given)}"
+        raise ConfigError(call, shown, "pass a positive datetime.timedelta")
     if timeout <= datetime.timedelta(0):
         raise ConfigError(call, f"timeout={timeout}", "pass a positive datetime.timedelta")
 
@@ -144,6 +149,26 @@ def init_distributed(
     `torch.cuda.set_device(local_rank)` first.
     """
     call = "init_distributed"
+    # Checked here: torch refuses a wrong value only inside the rendezvous, which would
+    # blame the peers (or raises a raw TypeError or ValueError).
+    backend = check_backend(call, "backend", backend, "pass 'gloo' (CPU) or 'nccl' (CUDA)")
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise ConfigError(
+            call,
+            "backend='nccl' but this build of torch has no NCCL",
+            "use backend='gloo' (CPU), or a CUDA build of torch",
+        )
+    if type(init_method) is not str or not init_method:
+        raise ConfigError(
+            call,
+            f"init_method={init_method!r}",
+            "pass the rendezvous URL every rank shares, e.g. 'file:///tmp/rendezvous'",
+        )
+    exact_rank, exact_size = as_int(rank), as_int(world_size)  # a bool or a float is none
+    if exact_rank is None or exact_size is None:
+        name, value = ("rank", rank) if exact_rank is None else ("world_size", world_size)
+        raise ConfigError(call, f"{name}={value!r} is {a_type(value)}", f"pass {name} as an int")
+    rank, world_size = exact_rank, exact_size
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(
             call,
@@ -178,8 +203,24 @@ def _check_layout(
 ) -> tuple[tuple[int, ...], ...]:
     seen: set[int] = set()
     checked: list[tuple[int, ...]] = []
-    for group in groups:
-        ranks = tuple(group)
+    fix = "list each group's global ranks as ints, e.g. [[0, 1], [2, 3]]"
+    given_groups: object = groups  # a caller's value, whatever its annotation says
+    if not isinstance(given_groups, Iterable) or isinstance(given_groups, str | bytes):
+        raise ConfigError(call, f"{kind.lower()}_groups is {a_type(given_groups)}", fix)
+    for group in given_groups:
+        if not isinstance(group, Iterable) or isinstance(group, str | bytes):
+            raise ConfigError(call, f"{kind} group {group!r} is {a_type(group)}", fix)
+        given = tuple(group)
+        listed: list[int] = []
+        for value in given:
+            # torch takes a float rank as far as new_group, and a bool as rank 0 or 1.
+            rank = as_int(value)
+            if rank is None:
+                raise ConfigError(
+                    call, f"{kind} group {given} holds {value!r}, {a_type(value)}", fix
+                )
+            listed.append(rank)
+        ranks = tuple(listed)
         if not ranks or len(set(ranks)) != len(ranks):
             raise ConfigError(
                 call, f"{kind} group {ranks} is empty or repeats a rank", "list distinct ranks"
