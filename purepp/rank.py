@@ -914,9 +914,13 @@ def _broadcast(
     steps: RankSteps,
 ) -> StepPhase[RelayState]:
     inputs = config.inputs
-    io.bind(inputs.sampled_tokens, sampled.tokens)
-    io.bind(inputs.num_sampled, sampled.num_sampled)
-    io.bind(inputs.num_rejected, sampled.num_rejected)
+    rows = batch.num_reqs
+    for field, ref, value in (
+        ("tokens", inputs.sampled_tokens, sampled.tokens),
+        ("num_sampled", inputs.num_sampled, sampled.num_sampled),
+        ("num_rejected", inputs.num_rejected, sampled.num_rejected),
+    ):
+        _bind_sampled(config, rows, io, field, ref=ref, value=value)
     _check_counts(config, batch, io)
     drafts = None
     if config.num_speculative_steps:
@@ -926,16 +930,19 @@ def _broadcast(
                 "no draft table with num_speculative_steps > 0",
                 "pass Sampled(draft_table=...) on the last stage when speculating",
             )
-        io.bind(inputs.draft_table, sampled.draft_table)
-        drafts = io.spec(inputs.draft_table)
-    tokens = io.spec(inputs.sampled_tokens)
+        table = sampled.draft_table
+        _bind_sampled(config, rows, io, "draft_table", ref=inputs.draft_table, value=table)
+        drafts = _sampled_spec(config, rows, io, "draft_table", inputs.draft_table)
+        # Checked before the tokens go out, on every wire: peers would wait for the drafts.
+        check_drafts(
+            "finish", config, drafts, shown_as="Sampled.draft_table", passed_as="draft_table"
+        )
+    tokens = _sampled_spec(config, rows, io, "tokens", inputs.sampled_tokens)
     # Named here, where the caller passed it, and not by the relay step it feeds.
     check_sampled_tokens(
-        "finish", config, batch.num_reqs, tokens, shown_as="Sampled.tokens", passed_as="tokens"
+        "finish", config, rows, tokens, shown_as="Sampled.tokens", passed_as="tokens"
     )
     if config.wire is Wire.SEED:
-        if drafts is not None:  # checked before the tokens go out: peers would wait for it
-            check_drafts("finish", config, drafts)
         sent = steps.broadcast_sampled(config, relay, batch, tokens)
         if sent.effects:
             yield sent.effects
@@ -966,8 +973,43 @@ def _check_counts(config: RelayConfig, batch: BatchFacts, io: StepIO[T]) -> None
         raise InvalidInputError(
             "finish",
             f"Sampled.{field} is not int32[{rows}] for a batch of {rows} rows: {shown}",
-            f"pass {field} as an int32 tensor of shape [{rows}], one count per batch row",
+            _sampled_fix(config, rows, field),
         )
+
+
+def _sampled_fix(config: RelayConfig, rows: int, field: str) -> str:
+    """What finish tells a caller whose `Sampled.<field>` it refuses."""
+    if field == "tokens":
+        spec_plus_one = config.max_sample_len
+        return f"pass tokens as int64 [{rows}, k] with 1 <= k <= spec + 1 = {spec_plus_one}"
+    if field == "draft_table":
+        shape = f"[max_num_reqs={config.max_num_reqs}, {config.num_speculative_steps}]"
+        return f"pass draft_table as int64 {shape}"
+    return f"pass {field} as an int32 tensor of shape [{rows}], one count per batch row"
+
+
+def _bind_sampled(
+    config: RelayConfig, rows: int, io: StepIO[T], field: str, *, ref: BufferRef, value: T
+) -> None:
+    """Bind the caller's `Sampled.<field>`. A seam refuses a value of no relay dtype in
+    its own name and the relay's buffer's: refused here as finish's, naming the field."""
+    try:
+        io.bind(ref, value)
+    except InvalidInputError as error:
+        problem = f"Sampled.{field}: {error.problem}"
+        raise InvalidInputError("finish", problem, _sampled_fix(config, rows, field)) from error
+
+
+def _sampled_spec(
+    config: RelayConfig, rows: int, io: StepIO[T], field: str, ref: BufferRef
+) -> TensorSpec:
+    """The spec of the `Sampled.<field>` just bound (a torch tensor of no relay dtype is
+    bound, and refused only here, as finish's)."""
+    try:
+        return io.spec(ref)
+    except InterpreterError as error:
+        problem = f"Sampled.{field}: {error.problem}"
+        raise InvalidInputError("finish", problem, _sampled_fix(config, rows, field)) from error
 
 
 def _unlike(io: StepIO[T], ref: BufferRef, shape: tuple[int, ...], dtype: DType) -> str | None:

@@ -1094,26 +1094,35 @@ def consume_previous_step(
 # ---- the last stage -----------------------------------------------------------------------
 
 
-def _check_int64_2d(call: str, name: str, spec: TensorSpec) -> tuple[int, int]:
-    if type(spec) is not TensorSpec or spec.dtype is not _INT64 or len(spec.shape) != 2:
-        raise InvalidInputError(
-            call, f"{name} is {spec!r}", f"pass {name} as a 2-D int64 tensor's TensorSpec"
-        )
-    rows, width = spec.shape
-    return rows, width
-
-
-def check_drafts(call: str, config: RelayConfig, drafts: TensorSpec) -> None:
+def check_drafts(
+    call: str,
+    config: RelayConfig,
+    drafts: TensorSpec,
+    *,
+    shown_as: str = "draft tokens",
+    passed_as: str = "the draft table",
+) -> None:
     """`drafts` is the int64 [max_num_reqs, spec] draft table (`broadcast_drafts`, the
-    packed wires' `broadcast_sampled`, and the rank step's `finish` before it sends)."""
-    rows, width = _check_int64_2d(call, "draft tokens", drafts)
-    if width != config.num_speculative_steps or rows < config.max_num_reqs:
-        raise InvalidInputError(
-            call,
-            f"draft tokens have shape {drafts.shape}",
-            f"pass the [max_num_reqs={config.max_num_reqs}, {config.num_speculative_steps}] "
-            "draft table",
-        )
+    packed wires' `broadcast_sampled`, and the rank step's `finish` the caller's
+    `Sampled.draft_table` (`shown_as`, `passed_as`) before it sends)."""
+    spec = config.num_speculative_steps
+    if type(drafts) is TensorSpec:
+        shape = drafts.shape
+        if (
+            drafts.dtype is _INT64
+            and len(shape) == 2
+            and shape[1] == spec
+            and shape[0] >= config.max_num_reqs
+        ):
+            return
+        shown = f"{drafts.dtype.value}{list(shape)}"
+    else:
+        shown = f"{drafts!r}, {a_type(drafts)}"
+    raise InvalidInputError(
+        call,
+        f"{shown_as} is {shown}",
+        f"pass {passed_as} as int64 [max_num_reqs={config.max_num_reqs}, {spec}]",
+    )
 
 
 def check_sampled_tokens(

@@ -1,7 +1,9 @@
 """An integrator's review: a research runner built from the README under `mypy --strict`.
 
 What a new user hit that the library got wrong: the world set-up calls of the README's
-example took a wrong value with a raw exception (or blamed a rendezvous for it).
+example took a wrong value with a raw exception (or blamed a rendezvous for it), and
+`finish` named a `Sampled` field of the wrong dtype by the relay's buffer, under the
+seam's call, with a fix that the next check refused.
 """
 
 from __future__ import annotations
@@ -11,12 +13,25 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import pytest
+import torch
 import torch.distributed as dist
 
-from purepp.effects.torch_interpreter import build_communicators, init_distributed
+from purepp.effects.io import NumpyIO, TorchIO
+from purepp.effects.log import Recorder
+from purepp.effects.numpy_interpreter import NumpyInterpreter
+from purepp.effects.torch_interpreter import (
+    TorchInterpreter,
+    build_communicators,
+    init_distributed,
+)
 from purepp.effects.vocabulary import Communicator
-from purepp.errors import ConfigError
+from purepp.errors import ConfigError, InvalidInputError
+from purepp.rank import Agreed, RankDriver, Sampled, ShapeFacts, StepIO, init_rank
+from purepp.relay import Wire
+from purepp.testing import ScheduleConfig, make_schedule, rank_config, scripted_header
 
 SECOND = datetime.timedelta(seconds=1)
 
@@ -94,3 +109,76 @@ def test_build_communicators_refuses_a_wrong_value_before_making_a_group(
     # Nothing was made: the world goes on with the groups it had.
     made = build_communicators(**arguments)
     assert dist.get_process_group_ranks(made[Communicator.PP_RELAY]) == [0]
+
+
+# --- finish: the last stage's Sampled fields ------------------------------------------------
+
+SPEC = 2
+
+
+def _lone_last_stage(
+    wire: Wire, io_of: str
+) -> tuple[RankDriver[Any], Agreed, Recorder, StepIO[Any], dict[str, npt.NDArray[Any]]]:
+    """A one-rank world (the last stage, speculating) at a step that samples, agreed."""
+    schedule = make_schedule(ScheduleConfig(pp=1, dp=1, spec=SPEC, steps=6, seed=3, wire=wire))
+    config = rank_config(schedule, 0)
+    io: StepIO[Any]
+    if io_of == "numpy":
+        numpy = NumpyInterpreter()
+        recorder = Recorder(scripted_header(schedule, 0), numpy)
+        io = NumpyIO(numpy)
+    else:
+        # One rank decides alone, and finish refuses before it issues: no communicator.
+        torch_interpreter = TorchInterpreter(device=torch.device("cpu"), groups={}, rank=0)
+        recorder = Recorder(scripted_header(schedule, 0), torch_interpreter)
+        io = TorchIO(torch_interpreter)
+    driver: RankDriver[Any] = RankDriver(config, recorder, io)
+    state = init_rank(config)
+    for step in range(schedule.config.steps):
+        planned = schedule.at(step, 0)
+        shape = ShapeFacts(
+            num_tokens=planned.num_tokens, uniform_token_count=planned.uniform_token_count
+        )
+        agreed = driver.agree(driver.begin(state), planned.batch, shape, freed=planned.freed)
+        if planned.samples:
+            break
+        state = driver.finish(agreed)  # no row samples: nothing is sent
+    else:
+        raise AssertionError("no step of the schedule samples")
+    arrays: dict[str, npt.NDArray[Any]] = {
+        "tokens": np.array(planned.sampled_tokens, dtype=np.int64),
+        "num_sampled": np.array(planned.num_sampled, dtype=np.int32),
+        "num_rejected": np.array(planned.num_rejected, dtype=np.int32),
+        "draft_table": np.zeros((schedule.config.max_num_reqs, SPEC), dtype=np.int64),
+    }
+    return driver, agreed, recorder, io, arrays
+
+
+@pytest.mark.parametrize("io_of", ["numpy", "torch"])
+@pytest.mark.parametrize("wire", [Wire.SEED, Wire.PACKED])
+@pytest.mark.parametrize(
+    ("field", "dtype", "expected"),
+    [
+        ("tokens", np.float32, r"pass tokens as int64 \[\d+, k\]"),
+        ("draft_table", np.float32, r"pass draft_table as int64 \[max_num_reqs=\d+, 2\]"),
+        # was "pass draft tokens as a 2-D int64 tensor's TensorSpec", on the packed wires
+        # under broadcast_sampled's name
+        ("draft_table", np.int32, r"pass draft_table as int64 \[max_num_reqs=\d+, 2\]"),
+        ("num_sampled", np.float32, r"pass num_sampled as an int32 tensor of shape \[\d+\]"),
+    ],
+)
+def test_finish_names_a_sampled_field_of_a_wrong_dtype_as_the_caller_passed_it(
+    io_of: str, wire: Wire, field: str, dtype: type[np.generic], expected: str
+) -> None:
+    """Named by finish and the field, with a fix the next check takes: the seams named their
+    own call and the relay's buffer, and told the caller that int32 tokens would do."""
+    driver, agreed, recorder, _, arrays = _lone_last_stage(wire, io_of)
+    arrays[field] = arrays[field].astype(dtype)
+    wrap = torch.from_numpy if io_of == "torch" else np.asarray
+    sampled = Sampled(**{name: wrap(array) for name, array in arrays.items()})
+    issued = len(recorder.log.records)
+    with pytest.raises(InvalidInputError, match=rf"^finish: Sampled\.{field}") as caught:
+        driver.finish(agreed, sampled)
+    assert re.search(expected, caught.value.fix), caught.value.fix
+    assert "relay.input" not in caught.value.fix
+    assert len(recorder.log.records) == issued
