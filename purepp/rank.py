@@ -229,6 +229,16 @@ class RankConfig:
                     f"{name} is {a_type(value)}, which has no dispatch method",
                     f"pass {name} as a CudaGraphDispatcher (or any Dispatcher), or None",
                 )
+        target, spec = self.dispatcher, self.relay.num_speculative_steps
+        # The target's uniform decode graphs hold 1 + drafts tokens per request: sized
+        # for another draft count, a speculative step would miss them without a word.
+        if isinstance(target, CudaGraphDispatcher) and target.num_speculative_tokens != spec:
+            raise ConfigError(
+                "RankConfig",
+                f"dispatcher.num_speculative_tokens={target.num_speculative_tokens} but "
+                f"relay.num_speculative_steps={spec}",
+                f"build the dispatcher with num_speculative_tokens={spec}, as the relay's",
+            )
 
     @property
     def is_last_stage(self) -> bool:

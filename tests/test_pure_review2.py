@@ -443,7 +443,7 @@ def test_rank_phases_are_pure_deterministic_and_frozen_over_random_runs(
     config = RankConfig(
         relay=relay,
         group=AgreementGroup(dp_size=dp_size, dp_rank=data.draw(st.integers(0, dp_size - 1))),
-        dispatcher=DISPATCHER,
+        dispatcher=attrs.evolve(DISPATCHER, num_speculative_tokens=spec),  # sized as the relay
         drafter_dispatcher=data.draw(st.sampled_from([None, DISPATCHER])),
     )
     state: RankState = init_rank(config)

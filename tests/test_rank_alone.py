@@ -86,7 +86,7 @@ def lone_steps(draw: st.DrawFn) -> tuple[RankConfig, BatchFacts, ShapeFacts]:
         num_active_loras=draw(st.sampled_from([0, 0, 1])),
     )
     config = RankConfig(
-        relay=RELAY,
+        relay=attrs.evolve(RELAY, num_speculative_steps=dispatcher.num_speculative_tokens),
         dispatcher=dispatcher,
         drafter_dispatcher=drafter,
     )
