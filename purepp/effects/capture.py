@@ -26,7 +26,8 @@ How a replay runs (all on S, with no host sync):
 4. the graph is launched on S (a graph that captured no node, such as a one-rank
    NCCL broadcast in place, is not launched);
 5. the names are bound as eager would bind them, to the instance's static outputs
-   (views included), and released names are dropped;
+   (views included), released names are dropped, and an input's RecordStream runs by
+   eager's handler;
 6. the suffix is performed as eager would (record events on S, after the replay); an
    Unpack of a wire the segment made binds views made once per instance.
 Inputs the segment writes in place (a ScatterRows target, a broadcast's receive
@@ -47,9 +48,10 @@ the stream first. So a plan is captured only if every stream its batch records s
 memory on is S or one its prefix makes S wait for (WaitStream), as the relay's batches
 do: each receive and send begins with WaitStream(relay, main), so a receive's outputs
 read on main at consume are read before the relay stream writes them again. Those
-RecordStreams are skipped (the allocator never reuses static memory). A later batch's
-RecordStream of static memory (or a view of it) on any other stream stops that plan's
-replays: it runs eager's handlers, with fresh memory, from then on (`Planner.recorded`).
+RecordStreams are skipped (the allocator never reuses static memory). Any later
+RecordStream of static memory (or a view of it), by eager's handler or inside another
+graph's segment, on any other stream stops that plan's replays: it runs eager's
+handlers, with fresh memory, from then on (`Planner.recorded`).
 
 Outputs outlive the step. The relay keeps what it receives for `ring_depth` steps, so
 a replay must not overwrite outputs that are still in use. Each plan keeps up to
@@ -151,29 +153,22 @@ class _Drop:
 
 
 @attrs.frozen
-class _Record:
-    """After a replay: RecordStream of an input (outputs are static: nothing to record)."""
-
-    position: int
-    stream: Stream
-
-
-@attrs.frozen
-class _View:
-    """After a replay: the effect at `index` (an Unpack: views, no device work), as eager."""
+class _Eager:
+    """After a replay: the effect at `index` by eager's handler, no device work (an
+    Unpack's views; a RecordStream of an input, which may be another graph's static
+    output: the handler tells the planner, `Planner.recorded`)."""
 
     index: int
 
 
-_NameOp: TypeAlias = _Bind | _Alias | _Drop | _Record | _View
+_NameOp: TypeAlias = _Bind | _Alias | _Drop | _Eager
 
 # The name ops as (tag, a, b) int triples, for the replay's loop (`_compiled`).
-_BIND_SLOT, _BIND_NAME, _DROP, _RECORD, _VIEW = range(5)
-_STREAM_CODES = {stream: stream.value for stream in Stream}
+_BIND_SLOT, _BIND_NAME, _DROP, _EAGER = range(4)
 
 
 def _compiled(ops: tuple[_NameOp, ...]) -> tuple[tuple[Any, ...], ...]:
-    """`ops` as tagged triples: bind out from a slot or from a name, drop, record, view."""
+    """`ops` as tagged triples: bind out from a slot or from a name, drop, eager's handler."""
     out: list[tuple[Any, ...]] = []
     for op in ops:
         match op:
@@ -183,10 +178,8 @@ def _compiled(ops: tuple[_NameOp, ...]) -> tuple[tuple[Any, ...], ...]:
                 out.append((_BIND_NAME, op.out, op.source))
             case _Drop():
                 out.append((_DROP, op.position, 0))
-            case _Record():
-                out.append((_RECORD, op.position, _STREAM_CODES[op.stream]))
-            case _View():
-                out.append((_VIEW, op.index, 0))
+            case _Eager():
+                out.append((_EAGER, op.index, 0))
             case _:
                 typing.assert_never(op)
     return tuple(out)
@@ -372,7 +365,6 @@ def _rebind(
 ) -> None:
     """After a replay: the segment's changes to names, as eager would make them."""
     buffers: dict[Any, torch.Tensor] = interp.env.buffers
-    stream = capturable.cuda_stream
     for tag, first, second in capturable.compiled:
         if tag == _BIND_SLOT:
             buffers[names[first]] = slots[second]
@@ -380,10 +372,7 @@ def _rebind(
             buffers[names[first]] = buffers[names[second]]
         elif tag == _DROP:
             del buffers[names[first]]
-        elif tag == _RECORD:
-            if stream is not None:
-                buffers[names[first]].record_stream(interp.cuda_stream(Stream(second)))
-        else:  # _VIEW
+        else:  # _EAGER
             plan.handlers[first](effects[first])
 
 
@@ -784,7 +773,7 @@ def _lower(
                     slots[q] = section_view(slots[p], section)
 
             segment.kernels.append(unpack)
-            segment.name_ops.append(_View(index))
+            segment.name_ops.append(_Eager(index))
             return None
         case PadColumns() | StackRows() | GatherRows() | ScatterRows():
             return _lower_rows(effect, at, segment)
@@ -802,7 +791,7 @@ def _lower(
                 # the next replay must be ordered after (`_analyse`).
                 segment.static_uses.add(effect.stream)
             else:
-                segment.name_ops.append(_Record(p, effect.stream))
+                segment.name_ops.append(_Eager(index))  # an input's: eager records it
             return None
         case (
             WaitStream()

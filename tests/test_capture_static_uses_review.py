@@ -1,0 +1,132 @@
+"""Review of da2865b: uses of a graph's static output on other streams it did not see.
+
+- A RecordStream inside another plan's captured segment (between two of its kernels)
+  was replayed as a name op that recorded the tensor on its stream but never told the
+  planner: a use of a static output on a stream its plan's replays are not ordered
+  after went unseen, and that plan went on rewriting the memory under it. Such a
+  RecordStream now runs by eager's handler, as an Unpack's views do.
+
+CPU tests emulate the graph (tests/test_plan_capture.py: `emulated_record`). The `gpu`
+test makes the hazard real. Run:
+    NCCL_NVLS_ENABLE=0 python -m pytest -q -m gpu -p no:cacheprovider \
+        tests/test_capture_static_uses_review.py
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from purepp.effects.plan import Plan
+from purepp.effects.torch_interpreter import TorchInterpreter
+from purepp.effects.vocabulary import (
+    BufferRef,
+    Effect,
+    GatherRows,
+    Op,
+    RecordStream,
+    Release,
+    Stream,
+    WaitStream,
+)
+from tests.test_capture_static_uses import (
+    INDEX,
+    SOURCE,
+    bind_inputs,
+    expected_rows,
+    gathered,
+    planner_of,
+    produce,
+)
+from tests.test_plan_capture import capturing
+from tests.test_plans_review import Tag
+
+MAIN, RELAY = Stream.MAIN, Stream.RELAY
+PICK = BufferRef("caller.pick")
+
+
+def read_twice(step: int, *, record_inside: bool) -> tuple[Effect, ...]:
+    """A batch on main that waits for the relay stream, reads step `step`'s gathered rows
+    twice and declares that use (RecordStream on main): between its two gathers, inside
+    its captured segment, or after them."""
+    tag = Tag(step=step, op=Op.CONSUME)
+    out = gathered(step)
+    wait = WaitStream(**tag, stream=MAIN, waits_for=RELAY)
+    first = GatherRows(**tag, source=out, index=PICK, out=BufferRef(f"step{step}.a"), stream=MAIN)
+    second = GatherRows(**tag, source=out, index=PICK, out=BufferRef(f"step{step}.b"), stream=MAIN)
+    record = RecordStream(**tag, buffer=out, stream=MAIN)
+    return (wait, first, record, second) if record_inside else (wait, first, second, record)
+
+
+def end(step: int) -> tuple[Effect, ...]:
+    tag = Tag(step=step, op=Op.END_STEP)
+    names = (gathered(step), BufferRef(f"step{step}.a"), BufferRef(f"step{step}.b"))
+    return tuple(Release(**tag, buffer=name) for name in names)
+
+
+def plans(interp: TorchInterpreter) -> list[Plan]:
+    return [plan for family in planner_of(interp)._plans.values() for plan in family.plans]
+
+
+@pytest.mark.parametrize("record_inside", [False, True], ids=["after", "inside"])
+def test_a_use_declared_inside_another_graph_stops_the_owners_replays(
+    monkeypatch: pytest.MonkeyPatch, record_inside: bool
+) -> None:
+    # The gather on the relay stream is not ordered after main; the batch on main reads
+    # its output (a steady input, baked into the reader's graph) and records it on main.
+    captured = capturing(monkeypatch)
+    planner = planner_of(captured)
+    captured.bind(PICK, torch.tensor([1, 0], dtype=torch.int32))
+    how = {"record_inside": record_inside}
+    produced = []  # whether each step's gather replayed
+    for step in range(6):
+        bind_inputs(captured, step)
+        before = planner.replayed
+        captured.perform(produce(step, ordered=False, record_on=None))
+        produced.append(planner.replayed > before)
+        captured.perform(read_twice(step, **how))
+        want = expected_rows(step)[torch.tensor([1, 0])]
+        assert captured.tensor(BufferRef(f"step{step}.b")).tolist() == want.tolist()
+        captured.perform(end(step))
+    # Step 0 lowered both plans; step 1 replayed the gather and its output was recorded
+    # on main: from step 2 on the gather runs eager's handlers (fresh memory).
+    assert produced == [False, True, False, False, False, False]
+    (reader,) = [plan for plan in plans(captured) if plan.effects[0] == read_twice(0, **how)[0]]
+    assert reader.capture is not None
+    assert reader.capture.instances  # the reader itself replays
+
+
+# ---- on a GPU: a use declared inside another graph, read late on main ----------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_a_use_declared_inside_another_graph_keeps_its_step_values() -> None:
+    """As tests/test_capture_static_uses.py's gpu test, with the use declared inside the
+    reader's own captured segment: main sleeps, then copies step i's gathered rows while
+    step i + 1's gather runs on the relay stream, which does not wait for main."""
+    device = torch.device("cuda")
+    interp = TorchInterpreter(device=device, groups={}, rank=0, capture=True, capture_copies=1)
+    main = torch.cuda.current_stream()
+    sources = [torch.arange(8, device=device).reshape(4, 2) + 100 * step for step in range(8)]
+    indexes = [torch.tensor([step % 4, 3], dtype=torch.int32, device=device) for step in range(8)]
+    interp.bind(PICK, torch.tensor([1, 0], dtype=torch.int32, device=device))
+    torch.cuda.synchronize()
+    results: list[torch.Tensor] = []
+    for step in range(8):
+        interp.bind(SOURCE, sources[step])
+        interp.bind(INDEX, indexes[step])
+        interp.perform(produce(step, ordered=False, record_on=None))
+        out = interp.tensor(gathered(step))
+        interp.perform(read_twice(step, record_inside=True))
+        cuda: Any = torch.cuda  # the narrow stubs in typings/ leave out _sleep
+        cuda._sleep(50_000_000)  # on main: its read below runs late
+        with torch.cuda.stream(main):
+            results.append(out.clone())
+        del out
+        interp.perform(end(step))
+    torch.cuda.synchronize()
+    for step, got in enumerate(results):
+        assert got.tolist() == expected_rows(step).tolist(), step
