@@ -5,6 +5,9 @@
   planner: a use of a static output on a stream its plan's replays are not ordered
   after went unseen, and that plan went on rewriting the memory under it. Such a
   RecordStream now runs by eager's handler, as an Unpack's views do.
+- A use that stopped one plan's replays stopped every plan of its structure (one per
+  input layout): the planner's fast path ran the first plan's handlers for all of them
+  once it was marked, as if capture had found no graph in the structure.
 
 CPU tests emulate the graph (tests/test_plan_capture.py: `emulated_record`). The `gpu`
 test makes the hazard real. Run:
@@ -96,6 +99,30 @@ def test_a_use_declared_inside_another_graph_stops_the_owners_replays(
     (reader,) = [plan for plan in plans(captured) if plan.effects[0] == read_twice(0, **how)[0]]
     assert reader.capture is not None
     assert reader.capture.instances  # the reader itself replays
+
+
+def test_a_use_that_stops_one_plan_leaves_the_others_of_its_structure_replaying(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One structure, two input layouts (sources 2 and 3 columns wide): two plans. Step 4's
+    # output (the 2-wide plan's) is recorded on main, which the relay stream never waits
+    # for: that plan stops; the 3-wide plan's outputs are never used there.
+    captured = capturing(monkeypatch)
+    planner = planner_of(captured)
+    replayed = []
+    for step in range(12):
+        width = 2 + step % 2
+        captured.bind(SOURCE, torch.arange(4 * width).reshape(4, width) + 100 * step)
+        captured.bind(INDEX, torch.tensor([step % 4, 3], dtype=torch.int32))
+        before = planner.replayed
+        captured.perform(produce(step, ordered=False, record_on=None))
+        replayed.append(planner.replayed > before)
+        tag = Tag(step=step, op=Op.CONSUME)
+        stream = MAIN if step == 4 else RELAY
+        captured.perform((RecordStream(**tag, buffer=gathered(step), stream=stream),))
+        captured.perform((Release(**tag, buffer=gathered(step)),))
+    # Steps 0 and 1 lower the two plans; the 2-wide one replays at steps 2 and 4 only.
+    assert replayed == [False, False, True, True, True, True] + [False, True] * 3
 
 
 # ---- on a GPU: a use declared inside another graph, read late on main ----------------------

@@ -381,7 +381,9 @@ class Plan:
         self.identities: dict[int, weakref.ref[torch.Tensor]] = {}
         # CUDA graphs of this plan (purepp.effects.capture), made on its first replay.
         self.capture: Any = None
-        self.uncapturable = False  # set once capture found the plan cannot be captured
+        # Set once capture found the plan cannot be captured (`capture` stays None), or a
+        # use of its static memory on another stream stopped its replays (`recorded`).
+        self.uncapturable = False
 
     def admits(self, env: Environment[torch.Tensor, Any, Any], names: list[Name]) -> bool:
         """Whether this run's bindings fit: every position's role, every input's layout."""
@@ -563,9 +565,11 @@ class Planner:
                 self.planned += 1
                 interp.run_handlers(variants[0].handlers, effects)
                 return True
-            if variants[0].uncapturable and not interp.checked:
+            first = variants[0]
+            if first.uncapturable and first.capture is None and not interp.checked:
                 # Capture found no graph in this structure: its plans run eager's
-                # handlers, which need no guard (as in fast mode without capture).
+                # handlers, which need no guard (as in fast mode without capture). A
+                # plan that `recorded` stopped has graphs, and the others may replay.
                 self.planned += 1
                 interp.run_handlers(variants[0].handlers, effects)
                 return True
