@@ -8,6 +8,8 @@
 - A use that stopped one plan's replays stopped every plan of its structure (one per
   input layout): the planner's fast path ran the first plan's handlers for all of them
   once it was marked, as if capture had found no graph in the structure.
+- Every empty storage is at address 0: an empty static output's entry stood for any
+  empty tensor, so a caller's, recorded on another stream, stopped that plan's replays.
 
 CPU tests emulate the graph (tests/test_plan_capture.py: `emulated_record`). The `gpu`
 test makes the hazard real. Run:
@@ -123,6 +125,28 @@ def test_a_use_that_stops_one_plan_leaves_the_others_of_its_structure_replaying(
         captured.perform((Release(**tag, buffer=gathered(step)),))
     # Steps 0 and 1 lower the two plans; the 2-wide one replays at steps 2 and 4 only.
     assert replayed == [False, False, True, True, True, True] + [False, True] * 3
+
+
+def test_an_empty_tensor_used_elsewhere_is_no_graphs_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A gather of no rows makes an empty static output; the caller's empty tensor,
+    # recorded on main, shares its address (0) and nothing else.
+    captured = capturing(monkeypatch)
+    planner = planner_of(captured)
+    captured.bind(INDEX, torch.zeros(0, dtype=torch.int32))
+    empty = BufferRef("caller.empty")
+    replayed = []
+    for step in range(6):
+        captured.bind(SOURCE, torch.arange(8).reshape(4, 2) + 100 * step)
+        before = planner.replayed
+        captured.perform(produce(step, ordered=False, record_on=None))
+        replayed.append(planner.replayed > before)
+        tag = Tag(step=step, op=Op.CONSUME)
+        captured.bind(empty, torch.zeros(0, dtype=torch.int64))
+        captured.perform((RecordStream(**tag, buffer=empty, stream=MAIN),))
+        captured.perform((Release(**tag, buffer=gathered(step)), Release(**tag, buffer=empty)))
+    assert replayed == [False, True, True, True, True, True]
 
 
 # ---- on a GPU: a use declared inside another graph, read late on main ----------------------

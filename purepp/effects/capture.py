@@ -456,7 +456,8 @@ def _capture(interp: TorchInterpreter, capturable: _Capturable, names: list[Name
         static[id(slots[p])] = weakref.ref(slots[p])
         if planner is not None:
             storage: Any = slots[p].untyped_storage()  # the narrow stubs lack data_ptr
-            planner.static_plans[storage.data_ptr()] = capturable.plan
+            if storage.nbytes():  # every empty storage is at address 0, and holds nothing
+                planner.static_plans[storage.data_ptr()] = capturable.plan
     # Baselines: what holds each output now (the slots dict, views made while capturing).
     # The static views are bound to names themselves, so their own references tell too
     # (their storage is their source's, whose use count covers every view of it).
