@@ -458,6 +458,7 @@ def _capture(interp: TorchInterpreter, capturable: _Capturable, names: list[Name
             storage: Any = slots[p].untyped_storage()  # the narrow stubs lack data_ptr
             if storage.nbytes():  # every empty storage is at address 0, and holds nothing
                 planner.static_plans[storage.data_ptr()] = capturable.plan
+                planner.unordered.update(set(Stream) - capturable.ordered)
     # Baselines: what holds each output now (the slots dict, views made while capturing).
     # The static views are bound to names themselves, so their own references tell too
     # (their storage is their source's, whose use count covers every view of it).

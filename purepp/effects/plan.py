@@ -537,8 +537,11 @@ class Planner:
         # Static outputs of every captured graph instance, by id (purepp.effects.capture).
         self.static_outputs: dict[int, weakref.ref[torch.Tensor]] = {}
         # The plan whose instances own each static output's memory, by its address: a
-        # RecordStream of any view of it finds the plan (`recorded`).
+        # RecordStream of any view of it finds the plan (`recorded`). Only one on a stream
+        # some such plan's replays are not ordered after can stop one, so only those look
+        # (the relay's plans are ordered after both streams: its records look nothing up).
         self.static_plans: dict[int, Plan] = {}
+        self.unordered: set[Stream] = set()
         self.lowered = 0  # plans made
         self.planned = 0  # batches run by a plan (not replayed)
         self.eager = 0  # batches run eagerly: first meetings, bindings that did not fit
@@ -611,10 +614,10 @@ class Planner:
         return True
 
     def recorded(self, tensor: torch.Tensor, stream: Stream) -> None:
-        """A RecordStream of `tensor` on `stream` (eager's handler calls this while any
-        graph instance exists). Static memory used on a stream its plan's replays are not
-        ordered after would be rewritten under that use by the next replay: the plan
-        replays no more, and runs eager's handlers (fresh memory) from now on."""
+        """A RecordStream of `tensor` on `stream` (eager's handler calls this for a stream
+        in `unordered`). Static memory used on a stream its plan's replays are not ordered
+        after would be rewritten under that use by the next replay: the plan replays no
+        more, and runs eager's handlers (fresh memory) from now on."""
         storage: Any = tensor.untyped_storage()  # the narrow stubs lack data_ptr
         plan = self.static_plans.get(storage.data_ptr())
         if plan is not None and stream not in plan.capture.ordered:

@@ -853,7 +853,7 @@ class TorchInterpreter:
         if self._streams is not None:
             tensor.record_stream(self._streams[effect.stream])
         planner = self._planner
-        if planner is not None and planner.static_plans:  # a graph's memory may be named
+        if planner is not None and effect.stream in planner.unordered:  # a graph's memory?
             planner.recorded(tensor, effect.stream)
 
     def _synchronize(self, effect: Synchronize) -> None:
