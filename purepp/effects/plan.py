@@ -574,7 +574,7 @@ class Planner:
                 # handlers, which need no guard (as in fast mode without capture). A
                 # plan that `recorded` stopped has graphs, and the others may replay.
                 self.planned += 1
-                interp.run_handlers(variants[0].handlers, effects)
+                interp.run_handlers(first.handlers, effects)
                 return True
             if names is None:
                 names = family.names(effects)
