@@ -52,7 +52,7 @@ from purepp.cudagraph import BatchExecutionDescriptor, CudaGraphDispatcher, Disp
 from purepp.effects.arrays import IntArray
 from purepp.effects.interpreter import Interpreter
 from purepp.effects.vocabulary import BufferRef, DType, Effect, TensorSpec
-from purepp.errors import ConfigError, InterpreterError, InvalidInputError
+from purepp.errors import ConfigError, InterpreterError, InvalidInputError, PureppError
 from purepp.relay import (
     ConsumedOutputs,
     RelayConfig,
@@ -1153,9 +1153,11 @@ class RankDriver(Generic[T]):
         handed: list[object] = []
         try:
             answer = _performed(phase, self.interpreter, handed)
-        except BaseException:
+        except BaseException as error:
             if handed:  # a refusal before any effect leaves the driver as it was
                 self._failed = call
+            if isinstance(error, PureppError):  # its message names the phase function
+                error.add_note(_driver_note(call))
             raise
         self._handed_out = answer
         return answer
@@ -1191,6 +1193,20 @@ class RankDriver(Generic[T]):
     ) -> RankState:
         phase = finish(self.config, agreed, self.io, sampled, self.steps)
         return self._perform("finish", agreed, phase)
+
+
+# The phase each driver method runs, where its name is not the method's.
+_DRIVER_PHASES = {"start": "start_agreement_phase", "start_next": "start_next_agreement"}
+
+
+def _driver_note(call: str) -> str:
+    phase = _DRIVER_PHASES.get(call, call)
+    return (
+        f"raised in RankDriver.{call}, which runs the phase {phase}: where the message "
+        "names a phase function, call the driver's method that runs it (start runs "
+        "start_agreement_phase, start_next runs start_next_agreement, the others their "
+        "own names), leaving out the config, io and steps the driver holds"
+    )
 
 
 # What a driver takes next, by the type of the value it last returned.

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from purepp.dp import LaneBusyError
 from purepp.effects.io import NumpyIO, TorchIO
 from purepp.effects.log import Recorder
 from purepp.effects.numpy_interpreter import NumpyInterpreter
@@ -182,3 +183,19 @@ def test_finish_names_a_sampled_field_of_a_wrong_dtype_as_the_caller_passed_it(
     assert re.search(expected, caught.value.fix), caught.value.fix
     assert "relay.input" not in caught.value.fix
     assert len(recorder.log.records) == issued
+
+
+def test_a_driver_refusal_says_which_driver_method_ran_the_phase_it_names() -> None:
+    """The message names the phase function (start_agreement_phase), which a RankDriver
+    user never calls; a note names the driver's method and how the names map."""
+    schedule = make_schedule(ScheduleConfig(pp=1, dp=1, spec=SPEC, steps=2, seed=3))
+    config = rank_config(schedule, 0)
+    numpy = NumpyInterpreter()
+    driver: RankDriver[Any] = RankDriver(config, numpy, NumpyIO(numpy))
+    planned = schedule.at(0, 0)
+    shape = ShapeFacts(num_tokens=planned.num_tokens)
+    started = driver.start(driver.begin(init_rank(config)), planned.batch, shape)
+    with pytest.raises(LaneBusyError, match=r"^start_agreement_phase: ") as caught:
+        driver.start(started, planned.batch, shape)  # started already: settle it
+    notes = getattr(caught.value, "__notes__", [])
+    assert any("RankDriver.start, which runs the phase start_agreement_phase" in n for n in notes)
