@@ -341,27 +341,39 @@ def disagreements(programs: tuple[Program, ...], runs: list[RealRun], tmp_path: 
 # Seeds of `generate` over two stages (pp=2, dp=1; each DP_CPU group is one rank): 16
 # programs, 7 of which hang (1, 9, 12, 13, 15, 23, 24) and 9 complete.
 SEEDS_TWO = (0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 12, 13, 15, 16, 23, 24)
-# Seeds over three stages (pp=3, dp=1): 8 programs, 4 of which hang (1, 9, 11, 12). Seed
-# 22 is left out: it is a case of the disagreement at the end of this file.
-SEEDS_THREE = (0, 1, 2, 3, 9, 11, 12, 14)
+# Seeds over three stages (pp=3, dp=1): 9 programs, 4 of which hang (1, 9, 11, 12). Real
+# gloo completes seed 22, which a model that held every member of a broadcast until all
+# had joined called a deadlock.
+SEEDS_THREE = (0, 1, 2, 3, 9, 11, 12, 14, 22)
+# How a rank orders its one broadcast against one asynchronous PP_CPU all-reduce, in
+# the hand-made programs: it starts the all-reduce, broadcasts, then waits for it; or
+# broadcasts first, then starts and waits; or starts and waits before it broadcasts. A
+# program hangs on gloo exactly when a rank that broadcasts first has, above it in
+# gloo's tree or among the members it sends to, a rank that waits first (which joins
+# the broadcast only once the all-reduce has every rank's contribution).
+START_FIRST = ("start", "broadcast", "wait")
+BROADCAST_FIRST = ("broadcast", "start", "wait")
+WAIT_FIRST = ("start", "wait", "broadcast")
 
 
-def leaf_goes_first(src: int = 0, early: int = 2, late: int = 1) -> Program:
-    """Three stages, one broadcast from `src` and one async PP_CPU all-reduce: `src`
-    starts the all-reduce and broadcasts; `early` receives first, then all-reduces;
-    `late` all-reduces and waits for it before it receives."""
-    broadcast: Step = ("broadcast", "b", src, Stream.RELAY.value)
-    start: Step = ("all_reduce", "a", Communicator.PP_CPU.value, True)
-    wait: Step = ("wait_work", "a")
-    ranks: list[tuple[Step, ...]] = [(), (), ()]
-    ranks[src] = (start, broadcast, wait)
-    ranks[early] = (broadcast, start, wait)
-    ranks[late] = (start, wait, broadcast)
-    return Program(pp=3, dp=1, ranks=tuple(ranks))
+def crossed(src: int, orders: tuple[tuple[str, ...], ...]) -> Program:
+    """One stage per entry of `orders`, each taking its broadcast (from stage `src`) and
+    the all-reduce in that order."""
+    steps: dict[str, Step] = {
+        "start": ("all_reduce", "a", Communicator.PP_CPU.value, True),
+        "broadcast": ("broadcast", "b", src, Stream.RELAY.value),
+        "wait": ("wait_work", "a"),
+    }
+    ranks = tuple(tuple(steps[name] for name in order) for order in orders)
+    return Program(pp=len(orders), dp=1, ranks=ranks)
 
 
 TWO = tuple(generate(seed, pp=2) for seed in SEEDS_TWO)
-THREE = (*(generate(seed, pp=3) for seed in SEEDS_THREE), leaf_goes_first())
+THREE = (
+    *(generate(seed, pp=3) for seed in SEEDS_THREE),
+    # A receiver goes on before the other receiver joins (the last test of this file).
+    crossed(0, (START_FIRST, WAIT_FIRST, BROADCAST_FIRST)),
+)
 
 
 @pytest.fixture(scope="module")
@@ -400,19 +412,12 @@ def test_three_stages_the_gloo_model_agrees_with_real_gloo(
     assert not found, "\n\n".join(found)
 
 
-# -- a disagreement: a gloo broadcast's receiver waits for its source, not for everyone ---
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="known and left: the gloo model holds every member of a broadcast until every "
-    "member joins (a false deadlock over three or more ranks); see the docstring",
-)
 def test_a_receiver_whose_source_has_joined_completes_before_the_other_receivers_join(
     on_gloo_three: list[RealRun], tmp_path: Path
 ) -> None:
-    """Known and left (xfail, strict): the gloo model holds every member of a broadcast
-    until every member joins; gloo holds a receiver only until its data arrives.
+    """A gloo broadcast holds a receiver only until its data arrives (and, from four
+    members on, until the members it forwards to have joined), not until every member
+    has joined.
 
     Three stages; stage 0 starts an async PP_CPU all-reduce and broadcasts over
     PP_RELAY; stage 2 receives first, then starts the all-reduce and waits for it;
@@ -426,18 +431,8 @@ def test_a_receiver_whose_source_has_joined_completes_before_the_other_receivers
     stage 1. Stage 2 then joins the all-reduce, which completes for all three; stage 1
     goes on to receive, and stage 0's sends complete.
 
-    The model calls it a deadlock: stage 2's host is held in the broadcast until stage
-    1 joins, and stage 1's host waits in WaitWork for stage 2's all-reduce. Both tools
-    complete a collective only once every member has posted it and reached its head
-    (purepp/effects/scheduler.py `CollectiveHub._complete_ready`), and on gloo the
-    broadcast is queued on the host's lane (`StreamLanes.issue`; `NumpyInterpreter.
-    _broadcast`), so each receiver's host waits for every other receiver too.
-
-    Correct: on gloo a broadcast holds the root's host until every receiver has joined,
-    and a receiver's host until its parent in gloo's tree has joined and, if it forwards
-    (groups of four or more), its children have joined. Over two ranks the two rules
-    are the same, which is why the two-rank programs all agree. (Seed 22 over three
-    stages is another case: real gloo completes it, the model reports a deadlock.)"""
+    The simulator and the checker model the same tree (`CollectiveHub` lets each member
+    of a gloo broadcast go by `BroadcastTree`), so both complete it too."""
     program, real = THREE[-1], on_gloo_three[-1]
     assert real.verdict == COMPLETES, real.ends
     model, logs = simulated(program), checked(program, tmp_path / "logs")

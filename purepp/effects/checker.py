@@ -6,7 +6,8 @@ every communicator and one data-free `StreamLanes` per rank. So the checker sees
 a per-communicator comparison cannot: two ranks taking two communicators in opposite
 orders wait on each other, and the report shows the wait-for cycle. A broadcast blocks
 its host when the header's config names the gloo backend (`purepp run`'s default), as
-gloo's does; otherwise it holds only its stream, as NCCL's does. Memory stays bounded
+gloo's does (until gloo's tree lets that member go); otherwise it holds only its
+stream, as NCCL's does. Memory stays bounded
 because a rank may not run more than `max_steps_in_flight` steps ahead of the
 slowest stage of its pipeline: only the records between them are held. Reading is
 fast where logs repeat themselves: a line that differs from an already validated line
@@ -351,7 +352,7 @@ class _Check:
             "record the logs again (`purepp run --backend nccl|gloo` writes the one it ran on)",
         )
         self._world, self._in_flight, self._backend = world, in_flight, backend
-        self._hub = CollectiveHub(world, call=_CALL, move_data=False)
+        self._hub = CollectiveHub(world, call=_CALL, move_data=False, backend=backend)
         # Indexed by rank, every rank of the world, those with no log too.
         self._ranks = [
             _RankReplay(

@@ -755,7 +755,8 @@ class NumpyInterpreter:
         )
         posted = PostedCollective(self._rank, effect, buffer.array)
         self._port.post(posted)
-        # gloo's broadcast holds the host until every member joins; NCCL's only its stream.
+        # gloo's broadcast holds the host until the port lets this member go (gloo's
+        # tree); NCCL's only its stream.
         stream = None if self._backend == "gloo" else effect.stream
         self._queue(stream, _CollectiveStep(effect, posted, (buffer,)))
 

@@ -3,7 +3,8 @@
 `CollectiveHub` is what the simulator and the log checker share. Ranks post their
 collectives to it in issue order; it compares each op's posts as they arrive
 (`check_posts`), completes an op once every member has posted it and it has reached
-the head of its stream on every member, and can say, for a stuck op, which members
+the head of its stream on every member (on gloo, a broadcast's members one by one, as
+gloo's tree lets each go: `BroadcastTree`), and can say, for a stuck op, which members
 it waits for. That last answer is the wait-for graph (rank -> communicator -> rank)
 in which a cross-communicator order deadlock shows up as a cycle. It also hands each
 all-reduce to `StageAgreements`, which reports the stages of one replica contributing
@@ -21,8 +22,9 @@ step reads are not in the log, so data could not move anyway.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Final, TypeAlias, assert_never
 
 import attrs
@@ -79,7 +81,15 @@ from purepp.effects.vocabulary import (
 )
 from purepp.layout import Layout
 
-__all__ = ["LOCAL_KINDS", "CollectiveHub", "StreamLanes", "started_ahead", "waiting_at"]
+__all__ = [
+    "LOCAL_KINDS",
+    "BroadcastTree",
+    "CollectiveHub",
+    "StreamLanes",
+    "broadcast_tree",
+    "started_ahead",
+    "waiting_at",
+]
 
 
 def started_ahead(effect: Effect | None, order_step: int | None) -> bool:
@@ -99,8 +109,59 @@ def waiting_at(effect: Effect, backend: Backend) -> str:
     its host (an NCCL one would only hold its stream)."""
     text = describe_effect(effect)
     if backend == "gloo" and type(effect) is Broadcast:
-        return f"{text}, which blocks the host on gloo until every member joins"
+        return (
+            f"{text}, which blocks the host on gloo until the data has come down gloo's "
+            "tree to it and every member it sends to has joined"
+        )
     return text
+
+
+@attrs.frozen(kw_only=True)
+class BroadcastTree:
+    """Who sends to whom in gloo's broadcast (gloo/broadcast.cc), which torch's CPU
+    broadcast runs: a binomial tree over the members renumbered from the source (the
+    source is 0, the members after it in group order 1, 2, ..., wrapping round).
+    Renumbered member v > 0 receives from v less its highest set bit, then sends to
+    v + 2**k for every 2**k > v inside the group, and waits for those sends; the source
+    sends to every power of two inside the group. A send completes once its receiver
+    has joined (gloo sends only into a posted receive), and a member can forward only
+    what it has received, so a member is let go once every member above it in the tree
+    and every member it sends to have joined. Over two or three members the source
+    sends to all the others; from four on, some receivers forward."""
+
+    order: tuple[int, ...]  # the members, renumbered order: each after the one it receives from
+    parent: Mapping[int, int]  # member -> the member it receives from (the source: none)
+    children: Mapping[int, tuple[int, ...]]  # member -> the members it sends to
+
+    def above(self, member: int) -> tuple[int, ...]:
+        """The members the data passes through on its way to `member`, source first."""
+        chain: list[int] = []
+        parent = self.parent.get(member)
+        while parent is not None:
+            chain.append(parent)
+            parent = self.parent.get(parent)
+        return tuple(reversed(chain))
+
+
+@functools.cache
+def broadcast_tree(group: tuple[int, ...], src: int) -> BroadcastTree:
+    """gloo's broadcast tree over `group` (global ranks, ascending: the order of the
+    gloo group's own ranks) from global rank `src`, a member."""
+    size, root = len(group), group.index(src)
+    order = tuple(group[(root + v) % size] for v in range(size))
+    parent: dict[int, int] = {}
+    children: dict[int, tuple[int, ...]] = {}
+    for v, member in enumerate(order):
+        if v:
+            parent[member] = order[v - (1 << (v.bit_length() - 1))]
+        # v sends along every bit above its highest set one (the source: every bit).
+        bit = 1 << v.bit_length()
+        sends: list[int] = []
+        while v + bit < size:
+            sends.append(order[v + bit])
+            bit <<= 1
+        children[member] = tuple(sends)
+    return BroadcastTree(order=order, parent=parent, children=children)
 
 
 class _Instance:
@@ -112,7 +173,21 @@ class _Instance:
         self.posts: dict[int, dict[int, PostedCollective]] = {}  # seq -> member -> post
         # seq -> member -> its signature's fields as tuples (see `_signature_key`)
         self.keys: dict[int, dict[int, _SignatureKey]] = {}
-        self.completed = 0  # ops completed, in order
+        self.completed = 0  # ops completed by every member, in order
+        # Per member, the ops it is done with (ahead of `completed` only on gloo, where a
+        # broadcast lets its members go one by one), and per such broadcast the members
+        # that hold its data already.
+        self.released: dict[int, int] = dict.fromkeys(instance.group, 0)
+        self.received: dict[int, set[int]] = {}
+
+    def reached(self, seq: int, member: int) -> bool:
+        """Whether `member` has joined op `seq` (done with every op before it, and its post
+        at the head of its stream) or is done with it too."""
+        released = self.released[member]
+        if released != seq:
+            return released > seq
+        post = self.posts[seq].get(member)
+        return post is not None and post.at_head
 
     def signatures(self, seq: int) -> dict[int, CollectiveSignature]:
         """Op `seq`'s declared signatures, member -> signature, in posting order."""
@@ -138,17 +213,28 @@ class CollectiveHub:
     agreement (`StageAgreements`; pp > 1 only), and a noted decision that differs from
     another rank's for the same agreement (`Decisions`, through `note`). With
     `compare_steps=False` the step labels are ignored when comparing (as on the wire)
-    and the report shows them as labelled. `completed_ranks` collects the ranks
-    whose posts completed since `run_completed` last ran them.
+    and the report shows them as labelled. With `backend='gloo'` a broadcast lets each
+    member go as gloo's tree does (`BroadcastTree`), not once every member has joined.
+    `completed_ranks` collects the ranks whose posts completed since `run_completed`
+    last ran them.
     """
 
     def __init__(
-        self, world: Layout, *, call: str, compare_steps: bool = True, move_data: bool = True
+        self,
+        world: Layout,
+        *,
+        call: str,
+        compare_steps: bool = True,
+        move_data: bool = True,
+        backend: Backend = "nccl",
     ) -> None:
         self._world = world
         self._call = call
         self._compare_steps = compare_steps
         self._move_data = move_data
+        # gloo lets a broadcast's members go one by one, down its tree; NCCL's broadcasts
+        # (queued on streams) and every all-reduce complete for all members at once.
+        self._tree_broadcasts = check_backend(call, "backend", backend) == "gloo"
         self._instances: dict[CommInstance, _Instance] = {}
         self._by_member: dict[tuple[int, Communicator], _Instance] = {}
         self._where: dict[PostedCollective, tuple[_Instance, int]] = {}
@@ -311,13 +397,28 @@ class CollectiveHub:
 
     def waits_for(self, posted: PostedCollective) -> tuple[WaitEdge, ...]:
         """Who `posted` (incomplete) waits for: members that have not posted its op, or
-        whose post has not reached the head of its stream."""
+        whose post has not reached the head of its stream (of a gloo broadcast, only
+        those above it in the tree and those it sends to)."""
         state, seq = self._where[posted]
-        posts = state.posts[seq]
+        rank, effect = posted.rank, posted.effect
+        # A broadcast held for a mismatch (its source may be no member) has no tree.
+        if (
+            self._tree_broadcasts
+            and isinstance(effect, Broadcast)
+            and (state, seq) not in self._mismatches
+        ):
+            tree = broadcast_tree(state.instance.group, effect.src)
+            members: Sequence[int] = (*tree.above(rank), *tree.children[rank])
+            waited = [member for member in members if not state.reached(seq, member)]
+        else:
+            posts = state.posts[seq]
+            waited = [
+                member
+                for member in state.instance.group
+                if member != rank and (member not in posts or not posts[member].at_head)
+            ]
         return tuple(
-            WaitEdge(rank=posted.rank, via=state.instance, seq=seq, peer=member)
-            for member in state.instance.group
-            if member != posted.rank and (member not in posts or not posts[member].at_head)
+            WaitEdge(rank=rank, via=state.instance, seq=seq, peer=member) for member in waited
         )
 
     def incomplete(self) -> tuple[AwaitedCollective, ...]:
@@ -329,24 +430,81 @@ class CollectiveHub:
         )
 
     def _complete_ready(self, state: _Instance) -> None:
-        size = len(state.instance.group)
-        all_posts, where = state.posts, self._where
+        """Complete what can complete, oldest op first: an op once every member has joined
+        it, or on gloo a broadcast's members one by one (`_release_down_tree`), so that a
+        member let go may already have joined the next op."""
+        group = state.instance.group
+        size = len(group)
+        all_posts, where, released = state.posts, self._where, state.released
+        seq = state.completed
         while True:
-            posts = all_posts.get(state.completed)
-            if posts is None or len(posts) < size:
+            posts = all_posts.get(seq)
+            if posts is None:
                 return
-            for p in posts.values():
-                if not p.at_head:
+            effect = posts[next(iter(posts))].effect
+            if self._tree_broadcasts and type(effect) is Broadcast:
+                if (state, seq) in self._mismatches:
+                    return  # held until every member has posted it, then raised
+                self._release_down_tree(state, seq, posts, effect.src)
+                if any(released[member] <= seq for member in group):
+                    if all(released[member] <= seq for member in group):
+                        return
+                    seq += 1  # those let go may have joined the next op
+                    continue
+                del state.received[seq]
+            else:
+                # Every member's earlier ops are done once `completed` reaches this one.
+                if seq != state.completed or len(posts) < size:
                     return
-            if self._move_data:
-                _move_data(posts)
-            for p in posts.values():
-                p.complete()
-                del where[p]
-            self.completed_ranks.update(posts)
-            del all_posts[state.completed]
-            del state.keys[state.completed]
-            state.completed += 1
+                for p in posts.values():
+                    if not p.at_head:
+                        return
+                if self._move_data:
+                    _move_data(posts)
+                for p in posts.values():
+                    p.complete()
+                    del where[p]
+                self.completed_ranks.update(posts)
+                for member in posts:
+                    released[member] = seq + 1
+            # Every member is done with op `seq` (so with every op before it).
+            del all_posts[seq]
+            del state.keys[seq]
+            state.completed = seq = seq + 1
+
+    def _release_down_tree(
+        self, state: _Instance, seq: int, posts: dict[int, PostedCollective], src: int
+    ) -> None:
+        """Let go the members of gloo broadcast `seq` that gloo would: a member holds the
+        data once it and every member above it have joined (it is copied from the member
+        it receives from, which holds it by then), and is let go once it holds it and
+        every member it sends to has joined."""
+        tree = broadcast_tree(state.instance.group, src)
+        received = state.received.setdefault(seq, set())
+        # Parents come before their children: data moves down the tree within one pass,
+        # and every receive is done before a sender that is let go writes its buffer again.
+        for member in tree.order:
+            if member in received or not state.reached(seq, member):
+                continue
+            parent = tree.parent.get(member)
+            if parent is None:
+                received.add(member)
+            elif parent in received:
+                if self._move_data:
+                    posts[member].array[...] = posts[parent].array
+                received.add(member)
+        released, where = state.released, self._where
+        for member in tree.order:
+            if (
+                released[member] == seq
+                and member in received
+                and all(state.reached(seq, child) for child in tree.children[member])
+            ):
+                post = posts[member]
+                post.complete()
+                del where[post]
+                released[member] = seq + 1
+                self.completed_ranks.add(member)
 
 
 # The fields `check_posts` compares (step, shape, src, kind, dtype), then the rest of a

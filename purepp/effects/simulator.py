@@ -15,7 +15,10 @@ as every communicator:
   posted its matching op (same op number in issue order) and the op has reached
   the head of its stream on every member. Then the data moves: a broadcast copies
   the source's buffer into the others'; an all-reduce sums the contributions into
-  every member's table.
+  every member's table. A gloo broadcast instead lets its members go one by one, as
+  gloo's tree does (`purepp.effects.scheduler.BroadcastTree`): a member receives the
+  data once every member above it has joined, and goes on once the members it sends
+  to have joined too.
 - Posts are compared as they arrive (`check_posts`): a member that disagrees on
   kind, source, step, shape or dtype stops the run with a `MismatchReport`. The step
   is a label the wire never carries: with `compare_steps=False` posts are matched as
@@ -183,7 +186,7 @@ class _Simulation:
         self._world = world
         self._in_flight = max_steps_in_flight
         self._backend = backend
-        self._hub = CollectiveHub(world, call=_CALL, compare_steps=compare_steps)
+        self._hub = CollectiveHub(world, call=_CALL, compare_steps=compare_steps, backend=backend)
         self._ranks: list[_Rank] = []
         for rank in range(world.world_size):
             interpreter = NumpyInterpreter(rank=rank, port=self._hub, fill=fill, backend=backend)
@@ -437,8 +440,9 @@ def simulate(
     labels (kind, source, shape and dtype must still agree): what a real run of a
     program that pairs different steps would do. `backend` is what the relay's
     broadcasts run on: 'nccl' queues each on its stream; 'gloo' (`purepp run`'s
-    default) blocks the issuing host until every member joins, so a broadcast and a
-    CPU all-reduce taken in crossed orders deadlock there.
+    default) blocks the issuing host until gloo's tree lets it go (the data has come
+    down to it, and the members it sends to have joined), so a broadcast and a CPU
+    all-reduce taken in crossed orders can deadlock there.
 
     Raises `CollectiveReportError` (a `CollectiveMismatchError`) carrying a
     `MismatchReport`, `RingOverrunReport`, `DeadlockReport`, `StageDivergenceReport` or

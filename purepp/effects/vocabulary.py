@@ -83,7 +83,8 @@ class Communicator(_Enum):
 
 
 # What PP_RELAY runs on (the CPU groups are gloo either way). NCCL queues a broadcast on
-# its stream and returns; gloo's blocks the host that issues it until every member joins.
+# its stream and returns; gloo's blocks the host that issues it until the data has come
+# down gloo's tree to it and the members it sends to have joined.
 Backend: TypeAlias = Literal["nccl", "gloo"]
 BACKENDS: Final[tuple[Backend, ...]] = ("nccl", "gloo")
 
@@ -99,7 +100,7 @@ def check_backend(call: str, name: str, value: object, fix: str | None = None) -
         f"{name} is {value!r}, not a backend",
         fix
         or "pass 'nccl' (a broadcast queues on its stream) or 'gloo' (a broadcast blocks "
-        "the host until every member joins, as `purepp run --backend gloo` runs)",
+        "the host, as `purepp run --backend gloo` runs)",
     )
 
 
