@@ -1,6 +1,6 @@
 """The gloo stream model against real gloo: small random programs, one verdict each.
 
-Each program gives every rank of a small world (two stages, or three) a sequence of the
+Each program gives every rank of a small world (two to five stages) a sequence of the
 effects the relay and the DP agreement use: relay broadcasts (on the relay or the main
 stream, over PP_RELAY), synchronous CPU all-reduces over PP_CPU or DP_CPU, asynchronous
 ones with their `WaitWork`, event records and waits, stream waits and `Synchronize`.
@@ -15,9 +15,11 @@ Every program runs three ways, and the verdicts must agree:
 - through `purepp check` over `Recorder` logs whose header config names gloo.
 
 The programs come from a fixed list of seeds (not Hypothesis), so what CI runs is bounded
-and the same every time. The real processes are spawned once per world, running every
-program in turn on freshly built groups (a timed-out gloo group is never used again),
-with a barrier on the default group (its timeout long) between programs.
+and the same every time; a few more are made by hand to put a late rank where gloo's
+broadcast tree makes the difference (from four stages on, a receiver that forwards).
+The real processes are spawned once per world, running every program in turn on freshly
+built groups (a timed-out gloo group is never used again), with a barrier on the
+default group (its timeout long) between programs.
 """
 
 from __future__ import annotations
@@ -345,6 +347,10 @@ SEEDS_TWO = (0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 12, 13, 15, 16, 23, 24)
 # gloo completes seed 22, which a model that held every member of a broadcast until all
 # had joined called a deadlock.
 SEEDS_THREE = (0, 1, 2, 3, 9, 11, 12, 14, 22)
+# Seeds over four stages: 4 programs, 2 of which hang (7, 9); seed 1 is another that
+# only gloo's tree completes.
+SEEDS_FOUR = (0, 1, 7, 9)
+
 # How a rank orders its one broadcast against one asynchronous PP_CPU all-reduce, in
 # the hand-made programs: it starts the all-reduce, broadcasts, then waits for it; or
 # broadcasts first, then starts and waits; or starts and waits before it broadcasts. A
@@ -374,6 +380,30 @@ THREE = (
     # A receiver goes on before the other receiver joins (the last test of this file).
     crossed(0, (START_FIRST, WAIT_FIRST, BROADCAST_FIRST)),
 )
+# Over four stages gloo's tree from stage s sends s -> s+1, s -> s+2 and s+1 -> s+3
+# (mod 4): stage s+1 forwards to stage s+3.
+FOUR = (
+    *(generate(seed, pp=4) for seed in SEEDS_FOUR),
+    # From stage 0: the forwarder (1) waits for its late child (3), which waits in the
+    # all-reduce for the forwarder: hangs.
+    crossed(0, (START_FIRST, BROADCAST_FIRST, START_FIRST, WAIT_FIRST)),
+    # From stage 0: the leaf (2) goes on before the forwarder's late child (3) joins; the
+    # all-reduce completes, the child joins, the forwarder goes on: completes.
+    crossed(0, (START_FIRST, START_FIRST, BROADCAST_FIRST, WAIT_FIRST)),
+    # From stage 0: the forwarder (1) and its child (3) go on while the source's other
+    # child (2) is late: completes.
+    crossed(0, (START_FIRST, BROADCAST_FIRST, WAIT_FIRST, BROADCAST_FIRST)),
+    # From stage 2 the forwarder is stage 3, its child stage 1: the first two cases.
+    crossed(2, (START_FIRST, WAIT_FIRST, START_FIRST, BROADCAST_FIRST)),
+    crossed(2, (BROADCAST_FIRST, WAIT_FIRST, START_FIRST, START_FIRST)),
+)
+# Over five stages, from stage 3: 3 -> 4, 3 -> 0, 3 -> 2 and 4 -> 1.
+FIVE = (
+    # The forwarder (4) waits for its late child (1): hangs.
+    crossed(3, (START_FIRST, WAIT_FIRST, START_FIRST, START_FIRST, BROADCAST_FIRST)),
+    # A leaf (2) goes on before the forwarder's late child (1) joins: completes.
+    crossed(3, (START_FIRST, WAIT_FIRST, BROADCAST_FIRST, START_FIRST, START_FIRST)),
+)
 
 
 @pytest.fixture(scope="module")
@@ -384,6 +414,16 @@ def on_gloo_two() -> list[RealRun]:
 @pytest.fixture(scope="module")
 def on_gloo_three() -> list[RealRun]:
     return run_on_gloo(THREE, 3)
+
+
+@pytest.fixture(scope="module")
+def on_gloo_four() -> list[RealRun]:
+    return run_on_gloo(FOUR, 4)
+
+
+@pytest.fixture(scope="module")
+def on_gloo_five() -> list[RealRun]:
+    return run_on_gloo(FIVE, 5)
 
 
 def test_the_programs_cover_both_outcomes() -> None:
@@ -409,6 +449,27 @@ def test_three_stages_the_gloo_model_agrees_with_real_gloo(
 ) -> None:
     """The same over three ranks (broadcasts with two receivers)."""
     found = disagreements(THREE[:-1], on_gloo_three[:-1], tmp_path)
+    assert not found, "\n\n".join(found)
+
+
+def test_four_stages_the_gloo_model_agrees_with_real_gloo(
+    on_gloo_four: list[RealRun], tmp_path: Path
+) -> None:
+    """The same over four ranks, where a receiver forwards to another: a forwarder waits
+    for its own late child (a hang), and the other members go on without waiting for
+    that child (they complete)."""
+    verdicts = [real.verdict for real in on_gloo_four]
+    assert verdicts[len(SEEDS_FOUR) :] == [HANGS, COMPLETES, COMPLETES, HANGS, COMPLETES]
+    found = disagreements(FOUR, on_gloo_four, tmp_path)
+    assert not found, "\n\n".join(found)
+
+
+def test_five_stages_the_gloo_model_agrees_with_real_gloo(
+    on_gloo_five: list[RealRun], tmp_path: Path
+) -> None:
+    """The same over five ranks, from a source in the middle of the group."""
+    assert [real.verdict for real in on_gloo_five] == [HANGS, COMPLETES]
+    found = disagreements(FIVE, on_gloo_five, tmp_path)
     assert not found, "\n\n".join(found)
 
 
