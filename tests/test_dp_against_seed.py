@@ -374,7 +374,7 @@ def test_an_idle_steps_drafter_reuses_the_target_agreement_with_no_collective() 
     """rank.agree: 'The drafter reuses the agreement (no collective)'. On a step where no
     DP rank has work the target decided 'nothing to run'; the drafter issues nothing."""
     relay = RelayConfig.for_stage(
-        pp_size=1, stage=0, max_num_reqs=4, num_speculative_steps=0, first_rank=0
+        pp_size=1, stage=0, max_num_reqs=4, num_speculative_steps=1, first_rank=0
     )
     configs = [
         rank.RankConfig(
