@@ -618,7 +618,8 @@ class _Check:
         if not candidates:
             return None
         awaited = min(candidates, key=lambda a: (a.signature.step, a.instance.group, a.seq))
-        waiting = min(r for r in awaited.instance.group if r not in awaited.missing)
+        # A member that gloo's tree has let go from the op no longer waits on it.
+        waiting = min(r for r in awaited.instance.group if self._hub.holds(awaited, r))
         return MismatchReport(
             rank=waiting,
             instance=awaited.instance,

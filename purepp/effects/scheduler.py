@@ -395,6 +395,12 @@ class CollectiveHub:
         state, seq = self._where[posted]
         return state.awaited(seq)
 
+    def holds(self, awaited: AwaitedCollective, member: int) -> bool:
+        """Whether `member` has posted op `awaited` and is not yet let go from it (on gloo,
+        a broadcast lets some members go before others have joined)."""
+        state = self._instances[awaited.instance]
+        return state.released[member] == awaited.seq and member in state.posts[awaited.seq]
+
     def waits_for(self, posted: PostedCollective) -> tuple[WaitEdge, ...]:
         """Who `posted` (incomplete) waits for: members that have not posted its op, or
         whose post has not reached the head of its stream (of a gloo broadcast, only
