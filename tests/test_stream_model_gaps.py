@@ -1,10 +1,11 @@
 """The stream model's three known gaps, closed: each test states what CUDA, NCCL or gloo do.
 
-Gap 6: a gloo broadcast blocks the host that issues it until every member joins (NCCL's
-is only queued on its stream), so a broadcast and a CPU all-reduce taken in crossed
-orders hang on gloo: the simulator with `backend='gloo'` and `purepp check` on a gloo
-run's logs report that deadlock, and a real two-process gloo world shows the hang (its
-collectives time out). The same program passes under NCCL's semantics.
+Gap 6: a gloo broadcast blocks the host that issues it until gloo's tree lets it go
+(over two ranks: until the other joins; NCCL's is only queued on its stream), so a
+broadcast and a CPU all-reduce taken in crossed orders hang on gloo: the simulator with
+`backend='gloo'` and `purepp check` on a gloo run's logs report that deadlock, and a
+real two-process gloo world shows the hang (its collectives time out). The same program
+passes under NCCL's semantics.
 
 Gap 5: the host is a lane of its own. CUDA does not hold the host on a main-stream
 `WaitEvent`, so a host that passes one and then meets a peer's CPU all-reduce completes
