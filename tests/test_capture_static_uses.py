@@ -18,6 +18,7 @@ the next step's replay runs on the relay stream. Run:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -154,14 +155,17 @@ def test_a_use_on_a_stream_the_prefix_orders_keeps_the_replays(
 # ---- on a GPU: main reads a static output late, while the next replay runs -----------------
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_a_static_output_read_late_on_main_keeps_its_step_values() -> None:
-    """Main sleeps, then copies step i's output; meanwhile step i + 1 runs on the relay
-    stream, which does not wait for main. A replay into step i's instance (one copy)
-    would rewrite the output before main reads it; eager's fresh memory would not."""
-    device = torch.device("cuda")
-    interp = TorchInterpreter(device=device, groups={}, rank=0, capture=True, capture_copies=1)
+def late_reads_on_main(
+    interp: TorchInterpreter,
+    use: Callable[[int], tuple[Effect, ...]],
+    release: Callable[[int], tuple[Effect, ...]],
+) -> None:
+    """Eight steps of the relay-stream gather: after each, `use` declares a use of its
+    output on main, main sleeps and then copies the output, and `release` lets it go.
+    Meanwhile the next step runs on the relay stream, which does not wait for main. A
+    replay into that step's instance (one copy) would rewrite the output before main
+    reads it; eager's fresh memory would not. Every copy must hold its own step's rows."""
+    device = interp.device
     main = torch.cuda.current_stream()
     # Every step's inputs made up front: the relay stream reads them without waiting
     # for main, which is about to sleep.
@@ -174,14 +178,30 @@ def test_gpu_a_static_output_read_late_on_main_keeps_its_step_values() -> None:
         interp.bind(INDEX, indexes[step])
         interp.perform(produce(step, ordered=False, record_on=None))
         out = interp.tensor(gathered(step))
-        tag = Tag(step=step, op=Op.CONSUME)
-        interp.perform((RecordStream(**tag, buffer=gathered(step), stream=MAIN),))
+        interp.perform(use(step))
         cuda: Any = torch.cuda  # the narrow stubs in typings/ leave out _sleep
         cuda._sleep(50_000_000)  # on main: its read below runs late
         with torch.cuda.stream(main):
             results.append(out.clone())
         del out
-        interp.perform((Release(**tag, buffer=gathered(step)),))
+        interp.perform(release(step))
     torch.cuda.synchronize()
     for step, got in enumerate(results):
         assert got.tolist() == expected_rows(step).tolist(), step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_a_static_output_read_late_on_main_keeps_its_step_values() -> None:
+    """The use is declared by a batch of its own (RecordStream on main)."""
+    device = torch.device("cuda")
+    interp = TorchInterpreter(device=device, groups={}, rank=0, capture=True, capture_copies=1)
+
+    def record(step: int) -> tuple[Effect, ...]:
+        tag = Tag(step=step, op=Op.CONSUME)
+        return (RecordStream(**tag, buffer=gathered(step), stream=MAIN),)
+
+    def release(step: int) -> tuple[Effect, ...]:
+        return (Release(**Tag(step=step, op=Op.CONSUME), buffer=gathered(step)),)
+
+    late_reads_on_main(interp, record, release)

@@ -23,13 +23,10 @@ test makes the hazard real. Run:
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from purepp.effects import capture
 from purepp.effects.plan import Plan, Planner
 from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.effects.vocabulary import (
@@ -50,11 +47,12 @@ from tests.test_capture_static_uses import (
     bind_inputs,
     expected_rows,
     gathered,
+    late_reads_on_main,
     planner_of,
     produce,
 )
 from tests.test_keyed_effects import keyed_relay_program
-from tests.test_plan_capture import capturing, emulated_record
+from tests.test_plan_capture import capturing
 from tests.test_plans_review import Tag
 
 CPU = torch.device("cpu")
@@ -170,11 +168,8 @@ def test_the_relays_replayed_steps_look_up_no_static_memory(
     """Every relay plan with static outputs begins with WaitStream(relay, main), so its
     replays are ordered after both streams: the sends' records of the caller's tensors
     (3 to 5 a step) need no lookup."""
-    monkeypatch.setattr(capture, "_record", emulated_record)
-    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")  # gloo stands in
-    captured = TorchInterpreter(device=CPU, groups=groups, rank=0, plans=True)
+    captured = capturing(monkeypatch, groups)
     planner = planner_of(captured)
-    planner._capture, planner._guarded, planner._copies = True, True, 3
     lookups = []
     real = Planner.recorded
 
@@ -199,24 +194,5 @@ def test_gpu_a_use_declared_inside_another_graph_keeps_its_step_values() -> None
     step i + 1's gather runs on the relay stream, which does not wait for main."""
     device = torch.device("cuda")
     interp = TorchInterpreter(device=device, groups={}, rank=0, capture=True, capture_copies=1)
-    main = torch.cuda.current_stream()
-    sources = [torch.arange(8, device=device).reshape(4, 2) + 100 * step for step in range(8)]
-    indexes = [torch.tensor([step % 4, 3], dtype=torch.int32, device=device) for step in range(8)]
     interp.bind(PICK, torch.tensor([1, 0], dtype=torch.int32, device=device))
-    torch.cuda.synchronize()
-    results: list[torch.Tensor] = []
-    for step in range(8):
-        interp.bind(SOURCE, sources[step])
-        interp.bind(INDEX, indexes[step])
-        interp.perform(produce(step, ordered=False, record_on=None))
-        out = interp.tensor(gathered(step))
-        interp.perform(read_twice(step, record_inside=True))
-        cuda: Any = torch.cuda  # the narrow stubs in typings/ leave out _sleep
-        cuda._sleep(50_000_000)  # on main: its read below runs late
-        with torch.cuda.stream(main):
-            results.append(out.clone())
-        del out
-        interp.perform(end(step))
-    torch.cuda.synchronize()
-    for step, got in enumerate(results):
-        assert got.tolist() == expected_rows(step).tolist(), step
+    late_reads_on_main(interp, lambda step: read_twice(step, record_inside=True), end)

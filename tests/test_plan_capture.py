@@ -298,10 +298,15 @@ def test_a_replayed_program_leaves_every_buffer_as_eager_does(
     assert any(len(group) > 1 for group in copy_groups)
 
 
-def capturing(monkeypatch: pytest.MonkeyPatch) -> TorchInterpreter:
-    """A CPU interpreter whose plans capture, with the graph emulated, in 3 instances."""
+def capturing(
+    monkeypatch: pytest.MonkeyPatch, groups: dict[Communicator, dist.ProcessGroup] | None = None
+) -> TorchInterpreter:
+    """A CPU interpreter whose plans capture, with the graph emulated, in 3 instances;
+    with `groups` (gloo), its broadcasts are captured as NCCL ones would be."""
     monkeypatch.setattr(capture, "_record", emulated_record)
-    made = TorchInterpreter(device=CPU, groups={}, rank=0, plans=True)
+    if groups is not None:
+        monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")  # gloo stands in
+    made = TorchInterpreter(device=CPU, groups=groups or {}, rank=0, plans=True)
     planner = made.planner
     assert planner is not None
     planner._capture, planner._guarded, planner._copies = True, True, 3
