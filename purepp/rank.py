@@ -925,12 +925,18 @@ def _broadcast(
 ) -> StepPhase[RelayState]:
     inputs = config.inputs
     rows = batch.num_reqs
-    for field, ref, value in (
-        ("tokens", inputs.sampled_tokens, sampled.tokens),
-        ("num_sampled", inputs.num_sampled, sampled.num_sampled),
-        ("num_rejected", inputs.num_rejected, sampled.num_rejected),
-    ):
-        _bind_sampled(config, rows, io, field, ref=ref, value=value)
+    # A seam refuses a value of no relay dtype in its own name and the relay buffer's
+    # (`bind`, or `spec` for a torch tensor): refused as finish's instead, naming the
+    # caller's field (`field` tracks it, so a step that binds pays no extra call).
+    field = "tokens"
+    try:
+        io.bind(inputs.sampled_tokens, sampled.tokens)
+        field = "num_sampled"
+        io.bind(inputs.num_sampled, sampled.num_sampled)
+        field = "num_rejected"
+        io.bind(inputs.num_rejected, sampled.num_rejected)
+    except InvalidInputError as error:
+        raise _refused(config, rows, field, error) from error
     _check_counts(config, batch, io)
     drafts = None
     if config.num_speculative_steps:
@@ -940,14 +946,19 @@ def _broadcast(
                 "no draft table with num_speculative_steps > 0",
                 "pass Sampled(draft_table=...) on the last stage when speculating",
             )
-        table = sampled.draft_table
-        _bind_sampled(config, rows, io, "draft_table", ref=inputs.draft_table, value=table)
-        drafts = _sampled_spec(config, rows, io, "draft_table", inputs.draft_table)
+        try:
+            io.bind(inputs.draft_table, sampled.draft_table)
+            drafts = io.spec(inputs.draft_table)
+        except (InvalidInputError, InterpreterError) as error:
+            raise _refused(config, rows, "draft_table", error) from error
         # Checked before the tokens go out, on every wire: peers would wait for the drafts.
         check_drafts(
             "finish", config, drafts, shown_as="Sampled.draft_table", passed_as="draft_table"
         )
-    tokens = _sampled_spec(config, rows, io, "tokens", inputs.sampled_tokens)
+    try:
+        tokens = io.spec(inputs.sampled_tokens)
+    except InterpreterError as error:
+        raise _refused(config, rows, "tokens", error) from error
     # Named here, where the caller passed it, and not by the relay step it feeds.
     check_sampled_tokens(
         "finish", config, rows, tokens, shown_as="Sampled.tokens", passed_as="tokens"
@@ -998,28 +1009,12 @@ def _sampled_fix(config: RelayConfig, rows: int, field: str) -> str:
     return f"pass {field} as an int32 tensor of shape [{rows}], one count per batch row"
 
 
-def _bind_sampled(
-    config: RelayConfig, rows: int, io: StepIO[T], field: str, *, ref: BufferRef, value: T
-) -> None:
-    """Bind the caller's `Sampled.<field>`. A seam refuses a value of no relay dtype in
-    its own name and the relay's buffer's: refused here as finish's, naming the field."""
-    try:
-        io.bind(ref, value)
-    except InvalidInputError as error:
-        problem = f"Sampled.{field}: {error.problem}"
-        raise InvalidInputError("finish", problem, _sampled_fix(config, rows, field)) from error
-
-
-def _sampled_spec(
-    config: RelayConfig, rows: int, io: StepIO[T], field: str, ref: BufferRef
-) -> TensorSpec:
-    """The spec of the `Sampled.<field>` just bound (a torch tensor of no relay dtype is
-    bound, and refused only here, as finish's)."""
-    try:
-        return io.spec(ref)
-    except InterpreterError as error:
-        problem = f"Sampled.{field}: {error.problem}"
-        raise InvalidInputError("finish", problem, _sampled_fix(config, rows, field)) from error
+def _refused(
+    config: RelayConfig, rows: int, field: str, error: InvalidInputError | InterpreterError
+) -> InvalidInputError:
+    """finish's refusal of the caller's `Sampled.<field>`, which a seam refused first."""
+    problem = f"Sampled.{field}: {error.problem}"
+    return InvalidInputError("finish", problem, _sampled_fix(config, rows, field))
 
 
 def _unlike(io: StepIO[T], ref: BufferRef, shape: tuple[int, ...], dtype: DType) -> str | None:
