@@ -7,8 +7,9 @@ a per-communicator comparison cannot: two ranks taking two communicators in oppo
 orders wait on each other, and the report shows the wait-for cycle. A broadcast blocks
 its host when the header's config names the gloo backend (`purepp run`'s default), as
 gloo's does (until gloo's tree lets that member go); otherwise it holds only its
-stream, as NCCL's does. Memory stays bounded
-because a rank may not run more than `max_steps_in_flight` steps ahead of the
+stream, as NCCL's does (`backend=` names it for logs whose header does not; without it
+they are judged as NCCL's, with a note when gloo's model judges them otherwise). Memory
+stays bounded because a rank may not run more than `max_steps_in_flight` steps ahead of the
 slowest stage of its pipeline: only the records between them are held. Reading is
 fast where logs repeat themselves: a line that differs from an already validated line
 only in its digits is not validated again, and records that never wait are not built
@@ -74,7 +75,7 @@ from purepp.effects.scheduler import (
     started_ahead,
     waiting_at,
 )
-from purepp.effects.vocabulary import AllReduce, Broadcast, Effect, Stream, check_backend
+from purepp.effects.vocabulary import AllReduce, Backend, Broadcast, Effect, Stream, check_backend
 from purepp.errors import ConfigError, InvalidInputError, LogFormatError
 from purepp.layout import Layout
 
@@ -134,23 +135,38 @@ class CheckReport:
     # Logs holding only the start of their header (their ranks are among `absent`,
     # where the header or the file's name says which).
     cut_headers: tuple[CutHeader, ...] = ()
+    # The backend whose model judged the logs (None: they could not be used).
+    backend: Backend | None = None
 
 
 def check_logs(
-    directory: str | os.PathLike[str], *, max_steps_in_flight: int | None = None
+    directory: str | os.PathLike[str],
+    *,
+    max_steps_in_flight: int | None = None,
+    backend: Backend | None = None,
 ) -> CheckReport:
     """Check the ranks' logs in `directory` (as `purepp run --log-dir` writes them).
 
     Never raises for bad logs: an unusable folder is a report with exit code 2.
     `max_steps_in_flight` (default: the world's pp, as `simulate`) bounds how far a
     rank is replayed ahead of its pipeline's slowest stage, and so the memory held.
+    `backend` ('nccl' or 'gloo') says what the logs ran on when their header does not
+    (a scripted run's): gloo's broadcast blocks its host, NCCL's only its stream. Without
+    it such logs are judged as NCCL's, with a note when gloo's model judges them
+    otherwise (so they are read twice); one that contradicts the header makes the logs
+    unusable.
     """
     # Not a path at all is the caller's bug, raised; a path to no usable logs is a report.
     folder = as_path("check_logs", "directory", directory)
+    if backend is not None:
+        backend = check_backend("check_logs", "backend", backend)
     try:
         if max_steps_in_flight is not None:
             check_int("check_logs", "max_steps_in_flight", max_steps_in_flight, 1, config=True)
-        report = _Check(folder, max_steps_in_flight).run()
+        check = _Check(folder, max_steps_in_flight, backend)
+        report = check.run()
+        if check.backend_assumed:
+            report = _noted_if_gloo_differs(report, folder, max_steps_in_flight)
     except (LogFormatError, ConfigError) as error:
         # Under the check's own name: the reader's (load_log, load_logs) is not what was run.
         text = f"{_CALL}: {error.problem}. Fix: {error.fix}"
@@ -166,15 +182,38 @@ def check_logs(
     )
 
 
-def check_log_dir(directory: str | os.PathLike[str], out: TextIO | None = None) -> int:
-    """Print `check_logs(directory)`'s text to `out` (default stdout); return its exit code."""
+def _noted_if_gloo_differs(
+    report: CheckReport, folder: Path, max_steps_in_flight: int | None
+) -> CheckReport:
+    """`report`, judged as NCCL's for want of a backend, with a note when gloo's model
+    judges the same logs otherwise (a broadcast that holds its host can deadlock)."""
+    gloo = _Check(folder, max_steps_in_flight, "gloo").run()
+    # The verdict is the exit code and the headline; what each rank waits on below it
+    # differs between the models even where the verdict is the same.
+    verdict, headline = ((text.splitlines() or [""])[0] for text in (gloo.text, report.text))
+    if (gloo.exit_code, verdict) == (report.exit_code, headline):
+        return report
+    verdict = verdict.rstrip(".")
+    return attrs.evolve(
+        report,
+        text=f"{report.text}\nnote: the logs' header names no backend, so they were judged as "
+        f"NCCL's; as gloo's (a broadcast holds its host) they give exit {gloo.exit_code}: "
+        f"{verdict}; if they ran on gloo, check them with --backend gloo",
+    )
+
+
+def check_log_dir(
+    directory: str | os.PathLike[str], out: TextIO | None = None, *, backend: Backend | None = None
+) -> int:
+    """Print `check_logs(directory, backend=backend)`'s text to `out` (default stdout);
+    return its exit code."""
     if out is not None and not callable(getattr(out, "write", None)):
         raise InvalidInputError(
             "check_log_dir",
             f"out is {a_type(out)}, not a text stream",
             "pass a text stream such as sys.stderr or an io.StringIO, or None for stdout",
         )
-    report = check_logs(directory)
+    report = check_logs(directory, backend=backend)
     print(report.text, file=sys.stdout if out is None else out)
     return report.exit_code
 
@@ -230,9 +269,14 @@ class _RankReplay:
 
 
 class _Check:
-    def __init__(self, directory: Path, max_steps_in_flight: int | None) -> None:
+    def __init__(
+        self, directory: Path, max_steps_in_flight: int | None, backend: Backend | None
+    ) -> None:
         self._directory = directory
         self._in_flight_option = max_steps_in_flight
+        self._backend_option = backend
+        self.backend_assumed = False  # the header named none and neither did the caller
+        self._backend: Backend = "nccl"  # the one judged by (set once the headers are read)
         self._ranks: list[_RankReplay] = []
         self._advancers: list[Callable[[], object]] = []  # each rank's `lanes.advance`
         self._cut_headers: tuple[CutHeader, ...] = ()
@@ -343,14 +387,7 @@ class _Check:
             raise ConfigError(
                 "check_logs", f"max_steps_in_flight={in_flight}", "allow at least one step"
             )
-        # The run's backend decides whether a broadcast blocks its host (gloo) or only its
-        # stream (NCCL); a log that does not say (a scripted run's) is judged as NCCL's.
-        backend = check_backend(
-            "check_logs",
-            "the backend in the logs' header config",
-            streams[0].header.config.get("backend", "nccl"),
-            "record the logs again (`purepp run --backend nccl|gloo` writes the one it ran on)",
-        )
+        backend = self._judged_backend(streams[0].header.config.get("backend"))
         self._world, self._in_flight, self._backend = world, in_flight, backend
         self._hub = CollectiveHub(world, call=_CALL, move_data=False, backend=backend)
         # Indexed by rank, every rank of the world, those with no log too.
@@ -377,6 +414,28 @@ class _Check:
         except CollectiveReportError as error:
             return self._finding(error.report)
         return self._completed()
+
+    def _judged_backend(self, written: object) -> Backend:
+        """The run's backend decides whether a broadcast blocks its host (gloo) or only its
+        stream (NCCL): the header's, else the caller's, else NCCL's (and the report says
+        that it assumed it)."""
+        given = self._backend_option
+        if written is None:
+            self.backend_assumed = given is None
+            return "nccl" if given is None else given
+        backend = check_backend(
+            "check_logs",
+            "the backend in the logs' header config",
+            written,
+            "record the logs again (`purepp run --backend nccl|gloo` writes the one it ran on)",
+        )
+        if given is not None and given != backend:
+            raise ConfigError(
+                "check_logs",
+                f"backend={given!r} was given but the logs' header says they ran on {backend!r}",
+                "leave the backend out: the header's is the one the run used",
+            )
+        return backend
 
     # -- scheduling --
 
@@ -471,6 +530,7 @@ class _Check:
             cut=cut,
             absent=self._absent(),
             cut_headers=self._cut_headers,
+            backend=self._backend,
         )
 
     def _absent(self) -> tuple[int, ...]:

@@ -124,7 +124,7 @@ def _check(args: argparse.Namespace) -> int:
     # The checker prints a finding (exit 1) or "ok" (exit 0) for stdout, and a log it
     # cannot read (exit 2) as an error: that goes to stderr.
     report = io.StringIO()
-    code = check_log_dir(folder, out=report)
+    code = check_log_dir(folder, out=report, backend=args.backend)
     text = report.getvalue()
     if code == Exit.USAGE:
         sys.stderr.write(text)
@@ -143,6 +143,12 @@ def _parser() -> OptionParser:
     run.set_defaults(handler=_run)
     check = commands.add_parser("check", help="match the collectives of per-rank effect logs")
     check.add_argument("log_dir", help="a folder of per-rank logs (purepp run --log-dir)")
+    check.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        help="what the logs ran on, for logs whose header does not say (a scripted run's; "
+        "default: judged as nccl, and the report says so)",
+    )
     check.set_defaults(handler=_check)
     return parser
 
