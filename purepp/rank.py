@@ -1143,7 +1143,9 @@ class RankDriver(Generic[T]):
                 f"this driver's {self._failed} failed after issuing effects, so this rank "
                 "may be a collective ahead of its group",
                 "stop the step on every rank and build new interpreters and drivers, then "
-                "run the step again from the RankState before it (as after a dead rank)",
+                "run the step again from the RankState before it; after a dead DP replica, "
+                "replace the DP groups (TorchInterpreter.replace_dp_groups) and run agree "
+                "again from this step's Begun on a new RankDriver whose group marks it dead",
             )
         handed: list[object] = []
         try:

@@ -452,6 +452,23 @@ CASES: dict[str, Case] = {
         InvalidInputError,
         "TorchInterpreter.tensor: the name 'x' is a str",
     ),
+    "TorchInterpreter.replace_dp_groups None": (
+        lambda: torch_interpreter().replace_dp_groups(None),  # type: ignore[arg-type]
+        ConfigError,
+        "TorchInterpreter.replace_dp_groups: groups is a NoneType",
+    ),
+    "TorchInterpreter.replace_dp_groups a relay communicator": (
+        lambda: torch_interpreter().replace_dp_groups({Communicator.PP_RELAY: None}),  # type: ignore[dict-item]
+        ConfigError,
+        "groups maps ['pp_relay'], not exactly dp_cpu and dp_drafter_cpu",
+    ),
+    "TorchInterpreter.replace_dp_groups strings": (
+        lambda: torch_interpreter().replace_dp_groups(
+            {Communicator.DP_CPU: "g", Communicator.DP_DRAFTER_CPU: "g"}  # type: ignore[dict-item]
+        ),
+        ConfigError,
+        "groups maps dp_cpu to a str",
+    ),
     "TorchInterpreter.perform int": (
         lambda: torch_interpreter().perform(3),  # type: ignore[arg-type]
         InvalidInputError,

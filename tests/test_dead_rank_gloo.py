@@ -1,10 +1,11 @@
 """A DP rank dies mid-run on real gloo ranks, and the survivors go on (vllm#44428).
 
 What the README tells an embedder: the survivors mark the rank dead
-(`AgreementGroup.mark_dead`), all-reduce over a group of their own (the dead rank can
-never join one that holds it), and run the step whose all-reduce failed again from the
-`RankState` before it, with a new `RankDriver`. From then on they decide as a world that
-never had the dead rank would.
+(`AgreementGroup.mark_dead`), all-reduce over groups of their own (the dead rank can
+never join one that holds it), swapped into the interpreter they have
+(`TorchInterpreter.replace_dp_groups`), and agree again from the failed step's `Begun`
+on a new `RankDriver`. From then on they decide as a world that never had the dead rank
+would. (tests/test_dead_replica_gloo.py does the same on a pipeline of two stages.)
 """
 
 from __future__ import annotations
@@ -94,8 +95,9 @@ def survive(ctx: RankContext) -> list[tuple[int, BatchExecutionDescriptor]]:
         if ctx.rank == DEAD and state.step == DIES_AT:
             os._exit(3)  # dies without a word
         batch, shape = planned(ctx.rank, state.step)
+        begun = driver.begin(state)
         try:
-            agreed = driver.agree(driver.begin(state), batch, shape)
+            agreed = driver.agree(begun, batch, shape)
         except PeerFailureError:
             if DEAD not in config.group.live:
                 raise
@@ -108,12 +110,10 @@ def survive(ctx: RankContext) -> list[tuple[int, BatchExecutionDescriptor]]:
                 )
                 assert isinstance(made, dist.ProcessGroup)  # this rank is a member
                 regroup[comm] = made
+            interpreter.replace_dp_groups(regroup)
             config = attrs.evolve(config, group=config.group.mark_dead(DEAD))
-            interpreter = TorchInterpreter(
-                device=ctx.device, groups={**groups, **regroup}, rank=ctx.rank
-            )
             driver = RankDriver(config, interpreter, TorchIO(interpreter))
-            continue  # the step again, from the state before it
+            agreed = driver.agree(begun, batch, shape)  # the same Begun: its consume is done
         agreed_at.append((state.step, agreed.descriptor))
         rows = batch.num_reqs
         sampled = Sampled(

@@ -576,6 +576,81 @@ class TorchInterpreter:
             )
         return group
 
+    def replace_dp_groups(self, groups: Mapping[Communicator, dist.ProcessGroup]) -> None:
+        """Agree over `groups` from now on: new DP groups over the survivors of a dead DP
+        replica (vllm#44428), in place of the ones this interpreter was built with.
+
+        Everything else is kept: the relay's ring (the entries received in earlier steps
+        and consumed `ring_depth` steps later), its bound tensors, streams and plans. So a
+        pipeline stage goes on from the step whose all-reduce failed, which a new
+        interpreter could not (it holds no ring entry: its first consume fails).
+
+        `groups` holds DP_CPU and DP_DRAFTER_CPU, each a new group over the same ranks,
+        which include this rank and are among the replaced group's (`dist.new_group(
+        survivors, backend="gloo", use_local_synchronization=True)`, one per communicator).
+        The relay's communicators are not replaced: a replica whose stage died is dead
+        as a whole. Everything is checked before anything changes: a refusal leaves the
+        interpreter as it was.
+        """
+        call = "TorchInterpreter.replace_dp_groups"
+        lanes = (Communicator.DP_CPU, Communicator.DP_DRAFTER_CPU)
+        fix = (
+            "pass {Communicator.DP_CPU: ..., Communicator.DP_DRAFTER_CPU: ...}, two groups "
+            "made by dist.new_group(survivors, backend='gloo', use_local_synchronization="
+            "True) over the same surviving ranks of this rank's DP group"
+        )
+        if not isinstance(groups, Mapping):
+            raise ConfigError(call, f"groups is {a_type(groups)}", fix)
+        if set(groups) != set(lanes):
+            shown = sorted(c.value if isinstance(c, Communicator) else repr(c) for c in groups)
+            raise ConfigError(
+                call,
+                f"groups maps {shown}, not exactly dp_cpu and dp_drafter_cpu (the relay's "
+                "communicators hold its ring and are never replaced)",
+                fix,
+            )
+        new_ranks: dict[Communicator, tuple[int, ...]] = {}
+        for comm in lanes:
+            group = groups[comm]
+            if not isinstance(group, dist.ProcessGroup):
+                raise ConfigError(call, f"groups maps {comm.value} to {a_type(group)}", fix)
+            old = self._group_ranks.get(comm)
+            if old is None:
+                raise ConfigError(
+                    call,
+                    f"this interpreter has no {comm.value} group to replace on rank {self._rank}",
+                    "build the interpreter with the DP groups build_communicators returns",
+                )
+            ranks = tuple(dist.get_process_group_ranks(group))
+            if self._rank not in ranks or not set(ranks) <= set(old):
+                raise ConfigError(
+                    call,
+                    f"the new {comm.value} group spans ranks {ranks}, which are not this "
+                    f"rank {self._rank} and survivors of its group {old}",
+                    fix,
+                )
+            new_ranks[comm] = ranks
+        if new_ranks[Communicator.DP_CPU] != new_ranks[Communicator.DP_DRAFTER_CPU]:
+            raise ConfigError(
+                call,
+                f"dp_cpu spans ranks {new_ranks[Communicator.DP_CPU]} but dp_drafter_cpu "
+                f"spans {new_ranks[Communicator.DP_DRAFTER_CPU]}",
+                fix,
+            )
+        for work, (pending, _) in self.env.works.items():
+            if pending.comm in lanes:
+                raise InvalidInputError(
+                    call,
+                    f"work {work.name!r} is still in flight on {pending.comm.value}: an "
+                    "agreement started asynchronously (start_agreement_phase, "
+                    "start_next_agreement) over the group being replaced",
+                    "recover only from a synchronous agree (RankDriver.agree): an agreement "
+                    "in flight over a dead group cannot be finished or taken back",
+                )
+        for comm in lanes:
+            self._groups[comm] = groups[comm]
+            self._group_ranks[comm] = new_ranks[comm]
+
     def bind(self, ref: BufferRef, tensor: torch.Tensor) -> None:
         """Bind the caller's `tensor` to `ref`, replacing any earlier binding of that name."""
         self.env.check_rebindable("TorchInterpreter.bind", ref)

@@ -191,8 +191,16 @@ class RankLoop:
             return
         freed += self.scheduler.abort_due(step)
         scheduled = self._schedule(step)
-        agreed = self.driver.agree(begun, scheduled.batch, _shape(scheduled), freed=freed)
-        self._run_forward(scheduled, agreed)
+        self._run_forward(scheduled, self.agree(begun, scheduled, freed))
+
+    def agree(self, begun: Begun, scheduled: ScheduledStep, freed: list[int]) -> Agreed:
+        """The step's agreement (`RankDriver.agree`), once the step is begun and scheduled.
+
+        A loop that recovers from a dead DP replica overrides this: when the all-reduce
+        fails it replaces the DP groups and agrees again from the same `begun`, batch and
+        frees (tests/test_dead_replica_gloo.py), as the README's "Dead ranks" says.
+        """
+        return self.driver.agree(begun, scheduled.batch, _shape(scheduled), freed=freed)
 
     def _run_overlapped(self, step: int, begun: Begun, freed: list[int]) -> None:
         """The step's agreement was started during the step before; settle it, schedule
