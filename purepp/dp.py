@@ -824,7 +824,7 @@ def start_agreement(
     if group.dp_size == 1:
         decided = _outcome(desired, None)  # decide_alone's answer, desired known already
     elif batch.dp_sync is not None:
-        decided = _reuse(batch.dp_sync, desired, batch.num_tokens)
+        decided = _reuse(group, batch.dp_sync, desired, batch.num_tokens)
     if decided is not None:
         pending = _PendingAgreement(
             step=step,
@@ -990,14 +990,14 @@ def _eager_for(batch: RankBatch, desired: BatchExecutionDescriptor) -> BatchExec
 
 
 def _reuse(
-    sync: DPSyncState, desired: BatchExecutionDescriptor, num_tokens: int
+    group: AgreementGroup, sync: DPSyncState, desired: BatchExecutionDescriptor, num_tokens: int
 ) -> DispatchOutcome:
     if not sync.eager and desired.num_tokens != num_tokens:
         # This dispatcher's capture sizes may pad further than the one that agreed;
-        # every rank pads alike, so report the count that will run (dead ranks keep 0).
-        counts = sync.num_tokens_across_dp
-        padded = np.where(counts > 0, desired.num_tokens, 0).astype(np.int32)
-        sync = attrs.evolve(sync, num_tokens_across_dp=padded)
+        # every rank pads alike, so report the count that will run: every live rank's,
+        # as the seed's full_like, a live rank agreed at 0 tokens included (dead ranks
+        # keep 0; a count of 0 does not make a rank dead).
+        sync = attrs.evolve(sync, num_tokens_across_dp=group.padded_counts(desired.num_tokens))
     return _outcome(desired, sync)
 
 
