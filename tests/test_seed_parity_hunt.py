@@ -44,6 +44,7 @@ from purepp.dp import (
     Lane,
     RankBatch,
     agree_across_ranks,
+    decide_alone,
     finish_agreement,
     start_agreement,
 )
@@ -61,6 +62,7 @@ from purepp.relay import (
     free_request_slots,
     init_relay,
     receive,
+    relay_aux_hidden_states,
 )
 
 # One consume's hand-out, as plain lists: tokens, num_sampled, num_rejected, slot mapping,
@@ -387,6 +389,44 @@ def test_a_batch_where_no_row_samples_posts_nothing_on_either_side(platform: Pla
     assert answers[0] == [False] * len(plans)
 
 
+def seed_relay_aux(
+    keys: tuple[str, ...], incoming: dict[str, int] | None, outgoing: dict[str, int]
+) -> dict[str, int]:
+    """PPHandler.relay_aux_hidden_states over plain dicts: the outgoing tensors, then the
+    configured keys carried through from the incoming ones (they win a clash)."""
+    if not keys:
+        return outgoing
+    assert incoming is not None
+    return outgoing | {key: incoming[key] for key in keys}
+
+
+names = st.sampled_from(["hidden_states", "residual", "aux_0", "aux_1", "aux_2"])
+
+
+@given(
+    keys=st.lists(names, unique=True, max_size=3).map(tuple),
+    incoming=st.dictionaries(names, st.integers()),
+    outgoing=st.dictionaries(names, st.integers()),
+    data=st.data(),
+)
+def test_aux_hidden_states_are_carried_through_as_the_seed_carries_them(
+    keys: tuple[str, ...],
+    incoming: dict[str, int],
+    outgoing: dict[str, int],
+    data: st.DataObject,
+) -> None:
+    """Law: for any configured keys the incoming tensors hold (or none configured, with or
+    without incoming tensors), the outgoing tensors are the seed's: the stage's own plus
+    the configured keys from the previous stage, the carried ones winning a clash."""
+    given_in: dict[str, int] | None = {**incoming, **{k: data.draw(st.integers()) for k in keys}}
+    if not keys and data.draw(st.booleans()):
+        given_in = None
+    config = RelayConfig.for_stage(pp_size=3, stage=1, max_num_reqs=2, aux_hidden_state_keys=keys)
+    got = relay_aux_hidden_states(config, given_in, outgoing)
+    assert got == seed_relay_aux(keys, given_in, outgoing)
+    assert list(got) == list(seed_relay_aux(keys, given_in, outgoing))  # the seed's order
+
+
 # --- the DP agreement against the seed's procedure, with any dispatcher --------------------------
 
 Answer = Callable[[int, int, int | None, int, int | None], BatchExecutionDescriptor]
@@ -586,6 +626,26 @@ def test_any_dispatcher_agrees_as_the_seed_and_a_reuse_reuses_as_the_seed(
         assert started.effects == ()
         done = finish_agreement(started.state, started.result, None)
         assert decided(done.result) == seed_reuse(drafter, reuse, rank)
+
+
+@settings(max_examples=150, deadline=None)
+@given(answer=answers, batch=rank_batches())
+def test_a_lone_rank_decides_as_the_seeds_dispatch_with_dp_size_one(
+    answer: Answer, batch: RankBatch
+) -> None:
+    """Law: with dp_size 1 the seed returns its first dispatch (eager when forced) and no
+    sync; purepp's lone rank decides the same, with no effect, whatever the dispatcher."""
+    dispatcher = AnyDispatcher(answer)
+    group = AgreementGroup(dp_size=1, dp_rank=0)
+    expected = seed_desired(dispatcher, batch, batch.uniform_token_count)
+    alone = decide_alone(AgreementLanes(), group, dispatcher, batch, step=0, lane=Lane.TARGET)
+    assert decided(alone) == (expected, None)
+    started = start_agreement(AgreementLanes(), group, dispatcher, batch, step=0)
+    assert started.effects == ()
+    assert decided(finish_agreement(started.state, started.result, None).result) == (
+        expected,
+        None,
+    )
 
 
 class PadsToEight:
