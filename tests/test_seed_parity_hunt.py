@@ -691,88 +691,166 @@ def test_a_reuse_that_pads_further_pads_every_live_rank_a_zero_count_included() 
     assert seed_reuse(PadsToEight(), batch, 0)[1] == ([8, 8], None, False, 0)
 
 
-# --- the dispatcher against vLLM V2's bucketed CudaGraphManager.dispatch --------------------------
+# --- the dispatcher against vLLM V2's CudaGraphManager.dispatch ----------------------------------
 
 
-def bucketed_dispatch(  # noqa: PLR0917  # the manager's table, then dispatch's arguments
-    sizes: list[int],
-    mode: CaptureMode,
-    max_num_reqs: int,
-    q: int,
+@dataclass(frozen=True)
+class Table:
+    """A captured-graph table's configuration, as the manager and the dispatcher take it."""
+
+    sizes: tuple[int, ...]
+    mode: CaptureMode
+    max_num_reqs: int
+    q: int  # the decode length, 1 + spec
+    lora_cases: tuple[int, ...]
+    varlen: bool
+
+
+def manager_candidates(t: Table) -> dict[tuple[int, int], list[BatchExecutionDescriptor]]:
+    """vLLM V2's `CudaGraphManager._init_candidates` (the version with LoRA cases and
+    varlen decode), re-expressed: per capture size and LoRA case, a varlen-decode graph
+    (up to max_num_reqs * q tokens) or a uniform-decode one at the size rounded up to
+    whole requests (none past max_num_reqs * q or the largest size), then the mixed graph;
+    then, for FULL and after it PIECEWISE, each token count up to a graph's size lists
+    the graphs of the smallest such size, per LoRA case."""
+    max_decode = t.max_num_reqs * t.q
+    decode = t.mode.separate_decode_routine
+    by_mode: dict[CUDAGraphMode, list[BatchExecutionDescriptor]] = {}
+    for size in sorted(t.sizes):
+        for loras in t.lora_cases:
+            found: list[BatchExecutionDescriptor] = []
+            if decode and t.varlen and size <= max_decode:
+                found.append(
+                    BatchExecutionDescriptor(
+                        cg_mode=CUDAGraphMode.FULL,
+                        num_tokens=size,
+                        num_reqs=min(size, t.max_num_reqs),
+                        max_query_len=t.q,
+                        num_active_loras=loras,
+                    )
+                )
+            elif decode and not t.varlen:
+                rounded = -(-size // t.q) * t.q
+                if rounded <= max_decode and rounded <= max(t.sizes):
+                    graph = BatchExecutionDescriptor(
+                        cg_mode=CUDAGraphMode.FULL,
+                        num_tokens=rounded,
+                        num_reqs=rounded // t.q,
+                        uniform_token_count=t.q,
+                        num_active_loras=loras,
+                    )
+                    if graph not in by_mode.get(CUDAGraphMode.FULL, []):
+                        found.append(graph)
+            mixed = t.mode.mixed_mode
+            if mixed is not CUDAGraphMode.NONE:
+                full = mixed is CUDAGraphMode.FULL
+                found.append(
+                    BatchExecutionDescriptor(
+                        cg_mode=mixed,
+                        num_tokens=size,
+                        num_reqs=min(size, t.max_num_reqs) if full else None,
+                        num_active_loras=loras,
+                    )
+                )
+            for graph in found:
+                by_mode.setdefault(graph.cg_mode, []).append(graph)
+    candidates: dict[tuple[int, int], list[BatchExecutionDescriptor]] = {}
+    for mode in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
+        ascending = sorted(by_mode.get(mode, []), key=lambda g: g.num_tokens)
+        for loras in t.lora_cases:
+            start = 0
+            for size in sorted({g.num_tokens for g in ascending if g.num_active_loras == loras}):
+                group = [
+                    g for g in ascending if g.num_active_loras == loras and g.num_tokens == size
+                ]
+                for n in range(start, size + 1):
+                    candidates.setdefault((n, loras), []).extend(group)
+                start = size + 1
+    return candidates
+
+
+def manager_dispatch(  # noqa: PLR0917  # the table, then dispatch's arguments in order
+    t: Table,
     num_reqs: int,
     num_tokens: int,
     uniform: int | None,
+    num_active_loras: int,
+    max_query_len: int | None,
 ) -> BatchExecutionDescriptor:
-    """vLLM V2's manager, re-expressed: each capture size holds its graphs in priority
-    order (the uniform-decode FULL graph, when decode batches have their own routine and
-    q <= size <= max_num_reqs * q, then the mixed one); a batch looks only in the bucket
-    of the smallest size holding a graph that is at least its token count, and takes the
-    first graph there that serves it, else runs eager."""
-    held: dict[int, list[BatchExecutionDescriptor]] = {}
-    for size in sorted(sizes):
-        graphs = []
-        if mode.separate_decode_routine and q <= size <= max_num_reqs * q:
-            graphs.append(
-                BatchExecutionDescriptor(
-                    cg_mode=CUDAGraphMode.FULL,
-                    num_tokens=size,
-                    num_reqs=size // q,
-                    uniform_token_count=q,
-                )
-            )
-        if mode.mixed_mode is not CUDAGraphMode.NONE:
-            full = mode.mixed_mode is CUDAGraphMode.FULL
-            graphs.append(
-                BatchExecutionDescriptor(
-                    cg_mode=mode.mixed_mode,
-                    num_tokens=size,
-                    num_reqs=min(size, max_num_reqs) if full else None,
-                )
-            )
-        if graphs:
-            held[size] = graphs
-    bucket = next((s for s in sorted(held) if s >= num_tokens), None)
-    if num_tokens > 0 and bucket is not None:
-        for g in held[bucket]:
+    """vLLM V2's `CudaGraphManager.dispatch`: the active-LoRA count rounded up to the
+    smallest captured case (clamped to the largest), then the first graph listed for the
+    token count and that case which serves the batch, else eager."""
+    with_lora = sorted(c for c in t.lora_cases if c > 0)
+    loras = num_active_loras
+    if loras > 0 and with_lora:
+        loras = next((c for c in with_lora if c >= loras), with_lora[-1])
+    if num_tokens > 0:
+        for g in manager_candidates(t).get((num_tokens, loras), []):
             if (
                 (g.uniform_token_count is None or g.uniform_token_count == uniform)
+                and (
+                    g.max_query_len is None
+                    or (max_query_len is not None and g.max_query_len >= max_query_len)
+                )
                 and (g.num_reqs is None or g.num_reqs >= num_reqs)
                 and g.num_tokens >= num_tokens
+                and g.num_active_loras == loras
             ):
                 return g
     return BatchExecutionDescriptor(
-        cg_mode=CUDAGraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs
+        cg_mode=CUDAGraphMode.NONE,
+        num_tokens=num_tokens,
+        num_reqs=num_reqs,
+        num_active_loras=loras,
+    )
+
+
+@st.composite
+def tables(draw: st.DrawFn) -> Table:
+    mode = draw(st.sampled_from(list(CaptureMode)))
+    sizes = draw(st.lists(st.integers(1, 24), unique=True, min_size=1, max_size=6))
+    return Table(
+        sizes=tuple(sorted(sizes)),
+        mode=mode,
+        max_num_reqs=draw(st.integers(1, 8)),
+        q=1 + draw(st.integers(0, 3)),
+        lora_cases=draw(st.sampled_from([(0,), (0, 2), (0, 1, 4), (2,)])),
+        varlen=mode.separate_decode_routine and draw(st.booleans()),
     )
 
 
 @settings(max_examples=400, deadline=None)
-@given(
-    mode=st.sampled_from(list(CaptureMode)),
-    multiples=st.lists(st.integers(1, 12), unique=True, min_size=1, max_size=6),
-    spec=st.integers(0, 3),
-    max_num_reqs=st.integers(1, 8),
-    data=st.data(),
-)
-def test_the_dispatcher_picks_the_graph_vllms_bucketed_manager_picks(
-    mode: CaptureMode, multiples: list[int], spec: int, max_num_reqs: int, data: st.DataObject
+@given(table=tables(), data=st.data())
+def test_the_dispatcher_picks_the_graph_vllms_manager_picks(
+    table: Table, data: st.DataObject
 ) -> None:
-    """Law: with capture sizes that are multiples of the decode length (vLLM rounds them
-    so whenever decode graphs are FULL), without LoRA or varlen graphs, the dispatcher
-    answers every batch (uniform decode of the decode length or another, mixed, idle,
-    above the largest size) with the descriptor vLLM V2's bucketed manager picks: its
-    search over every graph, FULL first, lands in the same bucket."""
-    q = 1 + spec
-    sizes = sorted(m * q for m in multiples)
+    """Law: for any capture mode, sizes (multiples of the decode length or not), request
+    limit, speculative length, LoRA cases and varlen decode, the dispatcher answers every
+    batch (uniform decode of the decode length or another, varlen, mixed, idle, above the
+    largest size, any LoRA count and query-length bound) with the descriptor vLLM V2's
+    manager picks: its search of every graph, FULL before PIECEWISE, lands where the
+    manager's look-up of the smallest fitting FULL size, then PIECEWISE size, does."""
     dispatcher = CudaGraphDispatcher(
-        capture_sizes=sizes,
-        capture_mode=mode,
-        max_num_reqs=max_num_reqs,
-        num_speculative_tokens=spec,
+        capture_sizes=table.sizes,
+        capture_mode=table.mode,
+        max_num_reqs=table.max_num_reqs,
+        num_speculative_tokens=table.q - 1,
+        lora_capture_cases=table.lora_cases,
+        varlen_decode=table.varlen,
     )
-    tokens = data.draw(st.integers(0, sizes[-1] + 3))
+    sizes, max_num_reqs = table.sizes, table.max_num_reqs
+    # Token counts at and beside the sizes and their roundings up to whole requests.
+    edges = {e + d for s in sizes for e in (s, -(-s // table.q) * table.q) for d in (-1, 0, 1)}
+    tokens = data.draw(st.sampled_from(sorted(e for e in edges if e >= 0)) | st.integers(0, 30))
     reqs = data.draw(st.integers(0, min(tokens, max_num_reqs)))
-    uniform = data.draw(st.none() | st.sampled_from([q, q, 1, 2, 3]))
+    if data.draw(st.booleans()):  # a full decode batch: q tokens per request
+        reqs = min(tokens // table.q, max_num_reqs)
+    uniform = data.draw(st.none() | st.sampled_from([table.q, table.q, 1, 2, 3]))
     if uniform is not None and uniform * reqs > tokens:
         uniform = None
-    got = dispatcher.dispatch(reqs, tokens, uniform)
-    assert got == bucketed_dispatch(sizes, mode, max_num_reqs, q, reqs, tokens, uniform)
+    query_len = data.draw(st.none() | st.integers(1, table.q + 1))
+    loras = data.draw(st.integers(0, 5))
+    got = dispatcher.dispatch(
+        reqs, tokens, uniform, num_active_loras=loras, max_query_len=query_len
+    )
+    assert got == manager_dispatch(table, reqs, tokens, uniform, loras, query_len)
