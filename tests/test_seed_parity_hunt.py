@@ -64,6 +64,7 @@ from purepp.relay import (
     receive,
     relay_aux_hidden_states,
 )
+from purepp.testing import ConsumedStep, Schedule, ScheduleConfig, make_schedule, simulate_schedule
 
 # One consume's hand-out, as plain lists: tokens, num_sampled, num_rejected, slot mapping,
 # then the receiver's draft table after it (None without speculation or update).
@@ -854,3 +855,120 @@ def test_the_dispatcher_picks_the_graph_vllms_manager_picks(
         reqs, tokens, uniform, num_active_loras=loras, max_query_len=query_len
     )
     assert got == manager_dispatch(table, reqs, tokens, uniform, loras, query_len)
+
+
+# --- the whole rank step (purepp.testing's scripted worlds) against the seed ---------------------
+
+
+def seed_run(schedule: Schedule) -> tuple[dict[int, list[ConsumedStep]], dict[int, list[Any]]]:
+    """The seed's relay and DP procedure over a scripted schedule: per replica, SeedRelay
+    on every stage (consume, then the step's frees, then receive; the last stage sends its
+    tokens and drafts), and per step and stage `seed_world` over the replicas' batches."""
+    config, world = schedule.config, schedule.world
+    consumed: dict[int, list[ConsumedStep]] = {r: [] for r in range(world.world_size)}
+    agreed: dict[int, list[Any]] = {r: [] for r in range(world.world_size)}
+    dispatcher = schedule.dispatcher()
+    pipes = []
+    for _ in range(config.dp):
+        inboxes: list[deque[torch.Tensor]] = [deque() for _ in range(world.pp - 1)]
+
+        def relay(calls: DeviceCalls, last: bool) -> SeedRelay:
+            return SeedRelay(
+                calls=calls,
+                is_last_rank=last,
+                last_rank=world.pp - 1,
+                ring_depth=world.pp,
+                max_num_reqs=config.max_num_reqs,
+                num_speculative_steps=config.spec,
+                device=torch.device("cpu"),
+                group=None,
+            )
+
+        sender = relay(mailbox_calls(inboxes, None), True)
+        receivers = [relay(mailbox_calls(None, box), False) for box in inboxes]
+        tables = [torch.zeros(config.max_num_reqs, config.spec, dtype=torch.int64) for _ in inboxes]
+        pipes.append((sender, receivers, tables))
+    for step in range(config.steps):
+        row = [schedule.at(step, replica) for replica in range(config.dp)]
+        batches = [
+            RankBatch(
+                num_reqs=p.batch.num_reqs,
+                num_tokens=p.num_tokens,
+                uniform_token_count=p.uniform_token_count,
+            )
+            for p in row
+        ]
+        decisions = seed_world(dispatcher, batches) if config.dp > 1 else None
+        for replica, (planned, (sender, receivers, tables)) in enumerate(
+            zip(row, pipes, strict=True)
+        ):
+            b = planned.batch
+            batch = SeedBatch(
+                num_reqs=b.num_reqs,
+                idx_mapping=torch.from_numpy(b.idx_mapping.copy()),
+                idx_mapping_np=b.idx_mapping,
+                num_computed_tokens_np=b.num_computed_tokens,
+                num_scheduled_tokens=b.num_scheduled_tokens,
+                prefill_len_np=b.prefill_len,
+            )
+            for stage in range(world.pp):
+                rank = world.rank_of(pp_stage=stage, dp_index=replica)
+                if decisions is None:
+                    agreed[rank].append(
+                        seed_desired(dispatcher, batches[0], batches[0].uniform_token_count)
+                    )
+                else:
+                    agreed[rank].append(decisions[replica][0])
+            drafts = np.zeros((config.max_num_reqs, config.spec), np.int64)
+            drafts[b.idx_mapping] = planned.drafts
+            sender.broadcast(
+                torch.from_numpy(planned.sampled_tokens.copy()),
+                torch.from_numpy(planned.num_sampled.copy()),
+                torch.from_numpy(planned.num_rejected.copy()),
+                batch,
+            )
+            if config.spec:
+                sender.broadcast_drafts(torch.from_numpy(drafts), batch)
+            for stage, (seed, table) in enumerate(zip(receivers, tables, strict=True)):
+                got = seed.get_prev_sampled_outputs(table if config.spec else None)
+                if got is not None:
+                    consumed[world.rank_of(pp_stage=stage, dp_index=replica)].append(
+                        ConsumedStep(
+                            step=step,
+                            received_at_step=step - world.pp,
+                            idx_mapping=tuple(got["idx_mapping"].tolist()),
+                            sampled_tokens=tuple(tuple(r) for r in got["sampled_tokens"].tolist()),
+                            num_sampled=tuple(got["num_sampled"].tolist()),
+                            num_rejected=tuple(got["num_rejected"].tolist()),
+                            drafts_table=tuple(tuple(r) for r in table.tolist())
+                            if config.spec
+                            else None,
+                        )
+                    )
+                for slot in planned.freed:
+                    seed.on_req_idx_freed(slot)
+                seed.receive(batch)
+    return consumed, agreed
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pp=st.integers(1, 4),
+    dp=st.integers(1, 3),
+    spec=st.integers(0, 2),
+    steps=st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+)
+def test_every_rank_step_consumes_and_agrees_as_the_seed(
+    pp: int, dp: int, spec: int, steps: int, seed: int
+) -> None:
+    """Law: in a scripted PP x DP world run through the library's one rank-step program
+    (begin, agree with the step's frees, finish), every rank consumes at each step what
+    the seed's relay hands out there (tokens, counts, filtered slots, its draft table),
+    and runs at the descriptor the seed's DP procedure agrees for its replica."""
+    schedule = make_schedule(ScheduleConfig(pp=pp, dp=dp, spec=spec, steps=steps, seed=seed))
+    run = simulate_schedule(schedule)
+    consumed, agreed = seed_run(schedule)
+    for out in run.outputs:
+        assert list(out.consumed) == consumed[out.rank], out.rank
+        assert list(out.agreed) == agreed[out.rank], out.rank
