@@ -12,6 +12,11 @@ and the receive (the rank step's own order), a slot freed twice, and the receive
 (whether every row needs its token). Each consume's whole hand-out is compared: the
 padded tokens, both counts, the slot mapping with its -1 rows, and the receiver's draft
 table after the scatter.
+
+Then the DP agreement against the seed's `dispatch_cg_and_sync_dp` /
+`sync_cudagraph_and_dp_padding` with any pure dispatcher (a reuse, dp_size 1), the
+EAGLE-3 aux-state relay, the dispatcher against vLLM V2's `CudaGraphManager`, and the
+whole rank step in scripted PP x DP worlds against the seed's relay and agreement.
 """
 
 from __future__ import annotations
