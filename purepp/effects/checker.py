@@ -417,8 +417,8 @@ class _Check:
 
     def _judged_backend(self, written: object) -> Backend:
         """The run's backend decides whether a broadcast blocks its host (gloo) or only its
-        stream (NCCL): the header's, else the caller's, else NCCL's (and the report says
-        that it assumed it)."""
+        stream (NCCL): the header's, else the caller's, else NCCL's (`backend_assumed`:
+        check_logs then adds gloo's verdict where it differs)."""
         given = self._backend_option
         if written is None:
             self.backend_assumed = given is None

@@ -147,7 +147,7 @@ def _parser() -> OptionParser:
         "--backend",
         choices=("nccl", "gloo"),
         help="what the logs ran on, for logs whose header does not say (a scripted run's; "
-        "default: judged as nccl, and the report says so)",
+        "default: judged as nccl, with gloo's verdict added where it differs)",
     )
     check.set_defaults(handler=_check)
     return parser
