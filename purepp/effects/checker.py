@@ -97,6 +97,8 @@ _CALL = "purepp check"
 _COLLECTIVE_KINDS: Final = frozenset(
     kind for kind, cls in EFFECT_KINDS.items() if cls in (Broadcast, AllReduce)
 )
+# The one kind the backends' models differ on (gloo's holds its host).
+_BROADCAST_KINDS: Final = frozenset(kind for kind, cls in EFFECT_KINDS.items() if cls is Broadcast)
 
 
 @attrs.frozen(kw_only=True)
@@ -153,8 +155,8 @@ def check_logs(
     `backend` ('nccl' or 'gloo') says what the logs ran on when their header does not
     (a scripted run's): gloo's broadcast blocks its host, NCCL's only its stream. Without
     it such logs are judged as NCCL's, with a note when gloo's model judges them
-    otherwise (so they are read twice); one that contradicts the header makes the logs
-    unusable.
+    otherwise (so logs with a broadcast, the one effect the models differ on, are read
+    twice); one that contradicts the header makes the logs unusable.
     """
     # Not a path at all is the caller's bug, raised; a path to no usable logs is a report.
     folder = as_path("check_logs", "directory", directory)
@@ -165,7 +167,7 @@ def check_logs(
             check_int("check_logs", "max_steps_in_flight", max_steps_in_flight, 1, config=True)
         check = _Check(folder, max_steps_in_flight, backend)
         report = check.run()
-        if check.backend_assumed:
+        if check.backend_assumed and check.broadcast_issued:
             report = _noted_if_gloo_differs(report, folder, max_steps_in_flight)
     except (LogFormatError, ConfigError) as error:
         # Under the check's own name: the reader's (load_log, load_logs) is not what was run.
@@ -190,16 +192,27 @@ def _noted_if_gloo_differs(
     gloo = _Check(folder, max_steps_in_flight, "gloo").run()
     # The verdict is the exit code and the headline; what each rank waits on below it
     # differs between the models even where the verdict is the same.
-    verdict, headline = ((text.splitlines() or [""])[0] for text in (gloo.text, report.text))
+    verdict, headline = _verdict(gloo), _verdict(report)
     if (gloo.exit_code, verdict) == (report.exit_code, headline):
         return report
-    verdict = verdict.rstrip(".")
+    verdict = verdict.rstrip(".:")
     return attrs.evolve(
         report,
         text=f"{report.text}\nnote: the logs' header names no backend, so they were judged as "
         f"NCCL's; as gloo's (a broadcast holds its host) they give exit {gloo.exit_code}: "
         f"{verdict}; if they ran on gloo, check them with --backend gloo",
     )
+
+
+# The report's first lines name the missing and cut logs, read alike by both models.
+_LOG_LINES: Final = ("Log missing: ", "Log cut: ")
+
+
+def _verdict(report: CheckReport) -> str:
+    """The report's headline past the lines naming missing and cut logs: the finding's
+    first line, or what matched."""
+    lines = (line for line in report.text.splitlines() if not line.startswith(_LOG_LINES))
+    return next(lines, "").strip()
 
 
 def check_log_dir(
@@ -276,6 +289,9 @@ class _Check:
         self._in_flight_option = max_steps_in_flight
         self._backend_option = backend
         self.backend_assumed = False  # the header named none and neither did the caller
+        # A broadcast was replayed: without one, gloo's model replays the same (so the
+        # check is not run again under it).
+        self.broadcast_issued = False
         self._backend: Backend = "nccl"  # the one judged by (set once the headers are read)
         self._ranks: list[_RankReplay] = []
         self._advancers: list[Callable[[], object]] = []  # each rank's `lanes.advance`
@@ -479,6 +495,8 @@ class _Check:
             if effect is not None:
                 if kind in _COLLECTIVE_KINDS:
                     rank.collectives += 1
+                    if kind in _BROADCAST_KINDS:
+                        self.broadcast_issued = True
                 lanes.issue(effect)
                 if hub.completed_ranks:
                     hub.run_completed(self._advancers)

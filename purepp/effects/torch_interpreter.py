@@ -650,6 +650,9 @@ class TorchInterpreter:
         for comm in lanes:
             self._groups[comm] = groups[comm]
             self._group_ranks[comm] = new_ranks[comm]
+        # A source's rank within the group changed with it: options are built again.
+        for key in [key for key in self._broadcast_options if key[0] in lanes]:
+            del self._broadcast_options[key]
 
     def bind(self, ref: BufferRef, tensor: torch.Tensor) -> None:
         """Bind the caller's `tensor` to `ref`, replacing any earlier binding of that name."""
