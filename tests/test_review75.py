@@ -21,6 +21,7 @@ from purepp.effects.checker import check_logs
 from purepp.effects.log import LogHeader, Recorder, dump_logs
 from purepp.effects.torch_interpreter import TorchInterpreter, build_communicators
 from purepp.effects.vocabulary import Broadcast, BufferRef, Communicator, DType, Op, Stream
+from purepp.errors import ConfigError
 from purepp.layout import Layout
 from tests._dist import RankContext, run_ranks
 from tests.test_check_backend import broadcast_then_agree
@@ -125,3 +126,31 @@ def _root_after_swap(ctx: RankContext) -> tuple[int, int] | None:
 def test_a_swap_builds_the_lanes_broadcast_options_again() -> None:
     outcomes = run_ranks(_root_after_swap, 3)
     assert outcomes == [(2, 1), None, (2, 1)]
+
+
+def _reused_groups(ctx: RankContext) -> list[str]:
+    """What the swap says to the group it replaces, and to one group for both lanes;
+    the interpreter keeps its groups through both refusals."""
+    groups = build_communicators(
+        pp_groups=[[0]], dp_groups=[[0]], relay_backend="gloo", timeout=ctx.timeout
+    )
+    env = TorchInterpreter(device=torch.device("cpu"), groups=groups, rank=0)
+    lanes = (Communicator.DP_CPU, Communicator.DP_DRAFTER_CPU)
+    made = dist.new_group([0], backend="gloo", use_local_synchronization=True)
+    assert isinstance(made, dist.ProcessGroup)
+    problems = []
+    for misuse in ({comm: groups[comm] for comm in lanes}, dict.fromkeys(lanes, made)):
+        with pytest.raises(ConfigError) as caught:
+            env.replace_dp_groups(misuse)
+        problems.append(caught.value.problem)
+        assert all(env.group("test", comm) is groups[comm] for comm in lanes)
+    return problems
+
+
+def test_the_swap_refuses_the_group_it_replaces_and_one_group_for_both_lanes() -> None:
+    (problems,) = run_ranks(_reused_groups, 1)
+    assert problems == [
+        "groups maps dp_cpu to the group it replaces (ranks (0,))",
+        "groups maps dp_cpu and dp_drafter_cpu to one group, so the two lanes' agreements "
+        "in flight could pair with each other",
+    ]

@@ -585,7 +585,8 @@ class TorchInterpreter:
         pipeline stage goes on from the step whose all-reduce failed, which a new
         interpreter could not (it holds no ring entry: its first consume fails).
 
-        `groups` holds DP_CPU and DP_DRAFTER_CPU, each a new group over the same ranks,
+        `groups` holds DP_CPU and DP_DRAFTER_CPU, each a new group of its own (not the
+        one it replaces, nor the other lane's) over the same ranks,
         which include this rank and are among the replaced group's (`dist.new_group(
         survivors, backend="gloo", use_local_synchronization=True)`, one per communicator).
         The relay's communicators are not replaced: a replica whose stage died is dead
@@ -621,6 +622,12 @@ class TorchInterpreter:
                     f"this interpreter has no {comm.value} group to replace on rank {self._rank}",
                     "build the interpreter with the DP groups build_communicators returns",
                 )
+            if group is self._groups[comm]:
+                raise ConfigError(
+                    call,
+                    f"groups maps {comm.value} to the group it replaces (ranks {old})",
+                    fix,
+                )
             ranks = tuple(dist.get_process_group_ranks(group))
             if self._rank not in ranks or not set(ranks) <= set(old):
                 raise ConfigError(
@@ -635,6 +642,13 @@ class TorchInterpreter:
                 call,
                 f"dp_cpu spans ranks {new_ranks[Communicator.DP_CPU]} but dp_drafter_cpu "
                 f"spans {new_ranks[Communicator.DP_DRAFTER_CPU]}",
+                fix,
+            )
+        if groups[Communicator.DP_CPU] is groups[Communicator.DP_DRAFTER_CPU]:
+            raise ConfigError(
+                call,
+                "groups maps dp_cpu and dp_drafter_cpu to one group, so the two lanes' "
+                "agreements in flight could pair with each other",
                 fix,
             )
         for work, (pending, _) in self.env.works.items():
