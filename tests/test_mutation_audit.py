@@ -3,6 +3,9 @@ deliberate change to the guard it names that no earlier test caught."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import attrs
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -18,6 +21,7 @@ from purepp.dp import (
     finish_agreement,
     start_agreement,
 )
+from purepp.effects.matching import Decisions
 from purepp.effects.torch_interpreter import TorchInterpreter
 from purepp.effects.vocabulary import (
     GatherRows,
@@ -28,6 +32,7 @@ from purepp.effects.vocabulary import (
     WaitStream,
 )
 from purepp.errors import InvalidInputError
+from purepp.layout import Layout
 from tests.test_capture_static_uses import (
     INDEX,
     SOURCE,
@@ -36,6 +41,7 @@ from tests.test_capture_static_uses import (
     gathered,
     planner_of,
 )
+from tests.test_decisions import note_of
 from tests.test_plan_capture import capturing
 from tests.test_plans_review import Tag
 
@@ -123,3 +129,35 @@ def test_a_table_whose_own_column_is_not_this_ranks_contribution_is_refused_in_a
         corrupted[ROW_NUM_TOKENS, rank] += 1
         with pytest.raises(InvalidInputError, match=rf"column {rank} is "):
             finish_agreement(begun.state, begun.result, corrupted)
+
+
+# ---- FF17: every decided value is compared between the ranks' notes ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "other"),
+    [
+        ("cg_mode", "PIECEWISE"),
+        ("num_ubatches", 2),
+        ("num_tokens_across_dp", np.array([3, 3], dtype=np.int32)),
+        ("uniform_token_count", 2),
+        ("eager", True),
+        ("num_reqs", 5),
+        ("max_query_len", 4),
+    ],
+)
+def test_notes_that_differ_in_any_one_decided_value_are_a_divergence(
+    field: str, other: object
+) -> None:
+    """Ranks decide from one reduced table, so every value that shapes a step must match;
+    the checker names the one that differs, whichever it is."""
+    world = Layout(pp=1, dp=2)
+    decisions = Decisions(world)
+    decisions.note(0, note_of(world, 0))
+    changes: dict[str, Any] = {field: other}
+    decisions.note(1, attrs.evolve(note_of(world, 1), **changes))
+    report = decisions.ready()
+    assert report is not None
+    assert report.within_group
+    assert report.differing == (field,)
+    assert [d.ranks for d in report.decisions] == [(0,), (1,)]
