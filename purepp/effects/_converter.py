@@ -48,8 +48,10 @@ __all__ = [
     "describe_structure_error",
     "freeze_json_object",
     "kind_of",
+    "reads_back",
     "structure_effect",
     "thaw_json",
+    "unreadable_value",
     "unstructure_effect",
 ]
 
@@ -212,6 +214,86 @@ _INT64_MAX = 2**63 - 1
 # The one integer field a log holds that may be negative: PadColumns' fill value. Every
 # other one is a step, a size, a rank, an offset or a count, none below 0 on any run.
 _SIGNED_FIELDS = frozenset({"fill"})
+
+
+# Fields naming an event or a work handle: attrs checks no field types, so a name that
+# is no str reaches the writer (a BufferRef checks its own).
+_NAME_TYPES: Final = (EventRef, WorkRef, EventRef | None, WorkRef | None)
+_NAME_FIELDS: Final = frozenset(
+    name
+    for cls in EFFECT_CLASSES
+    for name, hint in typing.get_type_hints(cls).items()
+    if hint in _NAME_TYPES
+)
+
+
+def _reads_back_check(cls: type) -> Callable[[Any], bool]:
+    """A fast test that an attrs value of `cls`, written, reads back (`unreadable_value`
+    says what does not): each integer in its field's range, each event or work name a
+    str. Generated straight-line code, as `_fast_attrs_builder` is: it runs per record."""
+    hints = typing.get_type_hints(cls)
+    namespace: dict[str, Any] = {"MAX": _INT64_MAX, "MIN": -_INT64_MAX - 1, "str": str}
+    tests = ["True"]
+    for field in attrs.fields(cls):
+        value, hint = f"value.{field.name}", hints[field.name]
+        low = "MIN" if field.name in _SIGNED_FIELDS else "0"
+        if hint is int:
+            tests.append(f"{low} <= {value} <= MAX")
+        elif hint == int | None:
+            tests.append(f"({value} is None or 0 <= {value} <= MAX)")
+        elif hint == tuple[int, ...]:
+            tests.append(f"(not {value} or (min({value}) >= 0 and max({value}) <= MAX))")
+        elif hint in (EventRef, WorkRef):
+            tests.append(f"type({value}.name) is str")
+        elif hint in (EventRef | None, WorkRef | None):
+            tests.append(f"({value} is None or type({value}.name) is str)")
+        elif _is_homogeneous_tuple(hint) and attrs.has(get_args(hint)[0]):
+            namespace[f"check_{field.name}"] = _reads_back_check(get_args(hint)[0])
+            tests.append(f"all(map(check_{field.name}, {value}))")
+    # The text is built above from field names only.
+    exec(f"def check(value):\n    return {' and '.join(tests)}\n", namespace)
+    return typing.cast(Callable[[Any], bool], namespace["check"])
+
+
+def reads_back(effect: Effect) -> bool:
+    """Whether `effect`, written, reads back (else `unreadable_value` says what does not)."""
+    return _READS_BACK[type(effect)](effect)
+
+
+def unreadable_value(value: object, where: str = "effect") -> str | None:
+    """What in `value`, an effect's (or record's) unstructured JSON, the reader refuses.
+
+    The writer's check, so a log is never written that `load_log` cannot read back: an
+    integer outside the range its field is read in (0..int64 max; `fill`: any int64),
+    or an event's or work's name that is no string. An int32 array's values are
+    int32 by construction: only its shape is looked at. None when all of it reads back.
+    """
+    match value:
+        case bool() | None | str() | float():
+            return None
+        case int():
+            low = -_INT64_MAX - 1 if where.rpartition(".")[2] in _SIGNED_FIELDS else 0
+            if not low <= value <= _INT64_MAX:
+                return f"{where} is {value}, outside {low}..{_INT64_MAX}, the range a log reads"
+            return None
+        case list():
+            for index, item in enumerate(value):
+                problem = unreadable_value(item, f"{where}[{index}]")
+                if problem is not None:
+                    return problem
+            return None
+        case dict():
+            if value.keys() == {"shape", "values"}:  # an int32 array
+                return unreadable_value(value["shape"], f"{where}.shape")
+            for key, item in value.items():
+                if key in _NAME_FIELDS and item is not None and type(item) is not str:
+                    return f"{where}.{key} is named {item!r}, {a_type(item)}, not a str"
+                problem = unreadable_value(item, f"{where}.{key}")
+                if problem is not None:
+                    return problem
+            return None
+        case _:
+            return None
 
 
 def _structure_int(value: object, _: type) -> int:
@@ -485,6 +567,10 @@ def _fast_attrs_builder(cls: type) -> Callable[[Any], Any]:
     exec(f"def build(value):\n    return cls({', '.join(arguments)})\n", namespace)
     return typing.cast(Callable[[Any], Any], namespace["build"])
 
+
+_READS_BACK: Final[Mapping[type, Callable[[Any], bool]]] = {
+    cls: _reads_back_check(cls) for cls in EFFECT_CLASSES
+}
 
 _FAST_BUILDERS: Final[Mapping[str, Callable[[Any], Any]]] = {
     kind: _fast_attrs_builder(cls) for kind, cls in EFFECT_KINDS.items()

@@ -48,6 +48,8 @@ from purepp.effects._converter import (
     canonical_json,
     describe_structure_error,
     kind_of,
+    reads_back,
+    unreadable_value,
 )
 from purepp.effects.arrays import IntArray, int32_array
 from purepp.effects.logmodel import (
@@ -145,10 +147,11 @@ def record_json(record: LogRecord) -> str:
 
 def record_lines(call: str, records: Sequence[LogRecord], first_seq: int) -> list[str]:
     """Each record's line with its newline; InvalidInputError naming `call` if one cannot be."""
-    lines = []
+    lines: list[str] = []
     for record in records:
         try:
-            lines.append(record_json(record) + "\n")
+            fields = CONVERTER.unstructure(record, LogRecord)
+            line = _dumps(fields)
         except (TypeError, ValueError, AttributeError) as exc:  # a str where a ref is declared
             raise InvalidInputError(
                 call,
@@ -156,6 +159,17 @@ def record_lines(call: str, records: Sequence[LogRecord], first_seq: int) -> lis
                 f"JSON: {exc}",
                 "give effect fields the types their class declares (int, not float)",
             ) from exc
+        # Written, it would never read back: load_log would refuse the whole log.
+        problem = None if reads_back(record.effect) else unreadable_value(fields["effect"])
+        if problem is not None:
+            raise InvalidInputError(
+                call,
+                f"effect {first_seq + len(lines)} ({record.effect!r}) would be written as a "
+                f"log that does not read back: {problem}",
+                "give effect fields the values their class declares: steps, sizes, ranks "
+                "and counts of 0 or more, int64 at most (fill: any int64), names as str",
+            )
+        lines.append(line + "\n")
     return lines
 
 
@@ -377,10 +391,11 @@ def dump_logs(logs: Iterable[EffectLog], directory: str | os.PathLike[str]) -> t
     The folder then holds these logs as its only rank logs, as `purepp run --log-dir`
     leaves it: the logs of other ranks an earlier dump or run left there (files named
     `log_file_name(rank)`) are removed, so `purepp check` reads this world alone. Any
-    other file is left as it is. Raises InvalidInputError, and changes nothing, when a
-    file of such a name is not a purepp log, or a live `purepp run` writes the folder
-    (it holds the folder's `LOCK_FILE`). Every log is written before any file is
-    replaced or removed, so a log that cannot be written leaves the folder as it was.
+    other file is left as it is. Raises InvalidInputError, and changes nothing, when
+    `logs` holds none, when a file of such a name is not a purepp log, or a live
+    `purepp run` writes the folder (it holds the folder's `LOCK_FILE`). Every log is
+    written before any file is replaced or removed, so a log that cannot be written
+    leaves the folder as it was.
     """
     call = "dump_logs"
     if not isinstance(logs, Iterable) or isinstance(logs, str | bytes | EffectLog):
@@ -388,6 +403,14 @@ def dump_logs(logs: Iterable[EffectLog], directory: str | os.PathLike[str]) -> t
             call, f"logs is {a_type(logs)}", "pass a sequence of EffectLogs, one per rank"
         )
     logs = tuple(logs)
+    if not logs:
+        # It would remove every rank log in the folder and write none.
+        raise InvalidInputError(
+            call,
+            "logs holds no log (an iterator read once already?), and dump_logs would remove "
+            f"every rank log in {str(directory)!r} for none",
+            "pass the ranks' logs (a tuple or list: an iterator yields them once)",
+        )
     for index, log in enumerate(logs):
         check_instance(call, f"logs[{index}]", log, EffectLog)
     folder = as_path(call, "directory", directory)
