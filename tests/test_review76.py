@@ -6,6 +6,8 @@
   refused it, telling the user to record it again with this purepp.
 - `dump_logs` of no logs (an iterator already read once) removed every rank log in the
   folder and wrote none.
+- A decision's `cg_mode` edited to a value no decision has ("full") was refused with
+  the reprs of attrs' `Attribute` and its validator buried in the message.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from purepp.effects.vocabulary import (
     DType,
     Effect,
     EventRef,
+    GatherRows,
     Op,
     Pack,
     PadColumns,
@@ -40,7 +43,7 @@ from purepp.effects.vocabulary import (
     WaitWork,
     WorkRef,
 )
-from purepp.errors import InvalidInputError
+from purepp.errors import InvalidInputError, LogFormatError
 from purepp.layout import Layout
 from purepp.testing import ScheduleConfig, make_schedule, record_scripted_logs
 
@@ -93,6 +96,18 @@ UNREADABLE: dict[str, tuple[Effect, str]] = {
     "event named by an int": (
         RecordEvent(step=0, op=Op.RECEIVE, stream=Stream.RELAY, event=EventRef(3)),  # type: ignore[arg-type]
         "effect.event is named 3, an int",
+    ),
+    "negative optional count": (
+        GatherRows(
+            step=0,
+            op=Op.RECEIVE,
+            source=BufferRef("a"),
+            index=BufferRef("i"),
+            out=BufferRef("o"),
+            stream=Stream.RELAY,
+            index_rows=-1,
+        ),
+        "effect.index_rows is -1",
     ),
     "work named by an int": (
         WaitWork(step=0, op=Op.AGREE, work=WorkRef(7)),  # type: ignore[arg-type]
@@ -149,3 +164,21 @@ def test_dump_logs_of_no_logs_is_refused_and_keeps_the_folders_logs(tmp_path: Pa
     assert caught.value.fix.startswith("pass the ranks' logs")
     assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before
     assert load_logs(tmp_path) == logs
+
+
+def test_a_cg_mode_no_decision_has_is_refused_in_one_plain_line(tmp_path: Path) -> None:
+    logs = record_scripted_logs(make_schedule(ScheduleConfig(pp=1, dp=2, spec=0, steps=2, seed=1)))
+    dump_log(logs[0], tmp_path / "rank-0000.jsonl")
+    lines = (tmp_path / "rank-0000.jsonl").read_text().splitlines(keepends=True)
+    number = next(i for i, line in enumerate(lines) if '"cg_mode": "' in line)
+    edited = lines[number].replace('"cg_mode": "NONE"', '"cg_mode": "full"')
+    assert edited != lines[number]
+    (tmp_path / "rank-0000.jsonl").write_text(
+        "".join([*lines[:number], edited, *lines[number + 1 :]])
+    )
+    with pytest.raises(LogFormatError) as caught:
+        load_log(tmp_path / "rank-0000.jsonl")
+    assert caught.value.problem == (
+        f"{tmp_path / 'rank-0000.jsonl'} line {number + 1}: invalid value: 'cg_mode' must be in "
+        "('NONE', 'PIECEWISE', 'FULL') (got 'full') @ record.effect"
+    )

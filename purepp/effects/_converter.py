@@ -598,6 +598,10 @@ def _format_exception(exc: BaseException, tp: type | None) -> str:
             return str(exc)
         case PureppError():
             return exc.problem
+        case ValueError() if len(exc.args) > 1 and isinstance(exc.args[0], str):
+            # An attrs validator's (`in_`): its message, then the attribute, the allowed
+            # values and the value, whose reprs would bury it.
+            return f"invalid value: {exc.args[0]}"
         case ValueError() if str(exc):  # a field's validator, which names the field
             return f"invalid value: {exc}"
         case _:
