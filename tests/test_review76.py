@@ -8,6 +8,8 @@
   folder and wrote none.
 - A decision's `cg_mode` edited to a value no decision has ("full") was refused with
   the reprs of attrs' `Attribute` and its validator buried in the message.
+- `LogHeader(rank=np.int64(1), world=Layout(pp=2, dp=2))` was refused as "rank np.int64(1)
+  is outside a world of 4": a rank inside the world, of the wrong type.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from purepp.effects.log import (
@@ -43,7 +46,7 @@ from purepp.effects.vocabulary import (
     WaitWork,
     WorkRef,
 )
-from purepp.errors import InvalidInputError, LogFormatError
+from purepp.errors import ConfigError, InvalidInputError, LogFormatError
 from purepp.layout import Layout
 from purepp.testing import ScheduleConfig, make_schedule, record_scripted_logs
 
@@ -182,3 +185,17 @@ def test_a_cg_mode_no_decision_has_is_refused_in_one_plain_line(tmp_path: Path) 
         f"{tmp_path / 'rank-0000.jsonl'} line {number + 1}: invalid value: 'cg_mode' must be in "
         "('NONE', 'PIECEWISE', 'FULL') (got 'full') @ record.effect"
     )
+
+
+@pytest.mark.parametrize("rank", [np.int64(1), True, 1.0])
+def test_a_header_rank_of_another_type_is_named_as_such_not_as_outside_the_world(
+    rank: object,
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        LogHeader(rank=rank, world=Layout(pp=2, dp=2))  # type: ignore[arg-type]
+    assert caught.value.problem.startswith(f"rank {rank!r} is a")
+    assert caught.value.problem.endswith(", not an int")
+    assert "outside" not in caught.value.problem
+    assert caught.value.fix.startswith("pass the global rank as an int in 0..3")
+    with pytest.raises(ConfigError, match="rank 4 is outside a world of 4"):
+        LogHeader(rank=4, world=Layout(pp=2, dp=2))

@@ -104,7 +104,14 @@ class LogHeader:
                 f"world is {a_type(self.world)}",
                 "pass the run's Layout(pp=..., dp=...)",
             )
-        if type(self.rank) is not int or not 0 <= self.rank < self.world.world_size:
+        if type(self.rank) is not int:  # a bool or a numpy integer is no rank of a header
+            raise ConfigError(
+                "LogHeader",
+                f"rank {self.rank!r} is {a_type(self.rank)}, not an int",
+                f"pass the global rank as an int in 0..{self.world.world_size - 1} "
+                "(int(rank) for a numpy integer)",
+            )
+        if not 0 <= self.rank < self.world.world_size:
             raise ConfigError(
                 "LogHeader",
                 f"rank {self.rank!r} is outside a world of {self.world.world_size} "
