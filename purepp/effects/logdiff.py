@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import typing
 
 import attrs
 
@@ -67,6 +68,41 @@ def _differing_header_fields(expected: LogHeader, actual: LogHeader) -> list[str
     return fields
 
 
+_UNSHOWABLE = (TypeError, ValueError, AttributeError)  # as record_lines catches them
+
+
+def _mistyped_field(record: LogRecord) -> str | None:
+    """The first field of `record` (or of its effect) that cannot be written as its
+    declared type, as "effect.op is 'end_step', a str"; None if none is found alone."""
+    for obj, prefix in ((record, ""), (record.effect, "effect.")):
+        hints = typing.get_type_hints(type(obj))
+        for field in attrs.fields(type(obj)):
+            if field.name == "effect":
+                continue
+            value = getattr(obj, field.name)
+            try:
+                json.dumps(CONVERTER.unstructure(value, hints[field.name]), allow_nan=False)
+            except _UNSHOWABLE:
+                return f"{prefix}{field.name} is {value!r}, {a_type(value)}"
+    return None
+
+
+def _line(side: str, index: int, record: LogRecord) -> str:
+    """The record's log line; a typed error naming it when it has none (a hand-built
+    effect whose field is not of its declared type, which no log can hold)."""
+    try:
+        return record_json(record)
+    except _UNSHOWABLE as error:
+        raise InvalidInputError(
+            "diff_logs",
+            f"record {index} of the {side} log ({record.effect!r}) cannot be shown as a log line: "
+            f"{_mistyped_field(record) or error}",
+            "give effect fields the types their class declares (an enum member such as "
+            "Op.END_STEP, not its str; an int, not a str or float), as load_log and a "
+            "Recorder give them",
+        ) from error
+
+
 def _diff_records(expected: EffectLog, actual: EffectLog, context: int) -> list[str]:
     want, got = expected.records, actual.records
     first = next(
@@ -80,14 +116,15 @@ def _diff_records(expected: EffectLog, actual: EffectLog, context: int) -> list[
         f"expected {len(want)} records, got {len(got)}:"
     ]
     text += [
-        f"    same     #{i}: {record_json(want[i])}" for i in range(max(0, first - context), first)
+        f"    same     #{i}: {_line('expected', i, want[i])}"
+        for i in range(max(0, first - context), first)
     ]
     if first < len(want):
-        text.append(f"  - expected #{first}: {record_json(want[first])}")
+        text.append(f"  - expected #{first}: {_line('expected', first, want[first])}")
     else:
         text.append(f"  - expected: nothing (the expected log ends after {first} records)")
     if first < len(got):
-        text.append(f"  + actual   #{first}: {record_json(got[first])}")
+        text.append(f"  + actual   #{first}: {_line('actual', first, got[first])}")
     else:
         text.append(f"  + actual:   nothing (the actual log ends after {first} records)")
     if first < len(want) and first < len(got):

@@ -420,6 +420,9 @@ def dump_logs(logs: Iterable[EffectLog], directory: str | os.PathLike[str]) -> t
         raise InvalidInputError(
             "dump_logs", f"ranks {duplicates} appear more than once", "pass one log per rank"
         )
+    # Logs that load_logs and purepp check would refuse as not one run's: refused now,
+    # before the folder is made or any file in it written or removed.
+    check_dumpable(call, logs)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except (OSError, ValueError) as error:  # ValueError: a NUL in the path
@@ -1206,16 +1209,76 @@ def _show(value: str | None) -> str:
     return "none" if value is None else repr(value)
 
 
-def _runs(headers: Sequence[tuple[Path, LogHeader]]) -> str:
-    """Which files are of which run, for a folder holding several runs' logs."""
+def _runs(named: Sequence[tuple[str, LogHeader]], holder: str) -> str:
+    """Which logs are of which run, for a folder (or a `dump_logs` call) holding several
+    runs' logs."""
     runs: dict[str | None, list[str]] = {}
-    for path, header in headers:
-        runs.setdefault(header.run_id, []).append(path.name)
+    for name, header in named:
+        runs.setdefault(header.run_id, []).append(name)
     shown = [
         f"run_id {_show(run_id)}: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
         for run_id, names in runs.items()
     ]
-    return f"the folder holds logs of {len(runs)} runs ({'; '.join(shown)})"
+    return f"{holder} holds logs of {len(runs)} runs ({'; '.join(shown)})"
+
+
+def _check_one_run(
+    named: Sequence[tuple[str, LogHeader]],
+    fail: Callable[[str, str], PureppError],
+    *,
+    holder: str,
+    one_run: str,
+    apart: str,
+    allow_missing: bool,
+) -> tuple[int, ...]:
+    """The rule of one run's logs, for a folder read (`check_same_run`) and for the logs
+    `dump_logs` would write; `fail(problem, fix)` is the error each raises."""
+    first_name, first = named[0]
+    world = first.world
+    seen: dict[int, str] = {}
+    for name, header in named:
+        both = f"{first_name} and {name}"
+        if header.world != world:
+            one_run_id = header.run_id is not None and header.run_id == first.run_id
+            raise fail(
+                f"{first_name} is of world pp={world.pp}, dp={world.dp} but {name} "
+                f"of pp={header.world.pp}, dp={header.world.dp}"
+                + (f", both of run {header.run_id!r}" if one_run_id else ""),
+                "give every rank's LogHeader the run's one Layout" if one_run_id else one_run,
+            )
+        if header.run_id != first.run_id:
+            raise fail(
+                f"{both} are of different runs; {_runs(named, holder)}", f"{one_run} ({apart})"
+            )
+        if header.config_digest != first.config_digest:
+            raise fail(
+                f"{both} differ in config_digest ({_show(first.config_digest)} and "
+                f"{_show(header.config_digest)}): differently configured runs",
+                one_run,
+            )
+        if canonical_json(header.config) != canonical_json(first.config):
+            raise fail(
+                f"{both} have different configs: "
+                f"{canonical_json(first.config)[:80]} and {canonical_json(header.config)[:80]}",
+                one_run,
+            )
+        if header.rank in seen:
+            # One run id: one run whose ranks were given the same header rank.
+            headers_fix = "give each rank's Recorder a LogHeader of its own global rank"
+            raise fail(
+                f"{seen[header.rank]} and {name} are both rank {header.rank}"
+                + ("" if header.run_id is None else f" of run {header.run_id!r}"),
+                headers_fix if header.run_id is not None else f"{one_run}, or {headers_fix}",
+            )
+        seen[header.rank] = name
+    missing = [rank for rank in range(world.world_size) if rank not in seen]
+    if missing and not allow_missing:
+        raise fail(
+            f"ranks {missing} of a world of {world.world_size} (pp={world.pp}, dp={world.dp}) "
+            "have no log",
+            "copy every rank's log into the directory",
+        )
+    return tuple(missing)
 
 
 def check_same_run(
@@ -1227,59 +1290,31 @@ def check_same_run(
     every rank exactly once. With `allow_missing`, ranks that have no log are returned
     instead of refused (the headers say the world, so which ranks they are is known).
     """
-    first_path, first = headers[0]
-    world = first.world
-    seen: dict[int, Path] = {}
-    for path, header in headers:
-        both = f"{first_path.name} and {path.name}"
-        if header.world != world:
-            one_run = header.run_id is not None and header.run_id == first.run_id
-            raise _dir_fail(
-                directory,
-                f"{first_path.name} is of world pp={world.pp}, dp={world.dp} but {path.name} "
-                f"of pp={header.world.pp}, dp={header.world.dp}"
-                + (f", both of run {header.run_id!r}" if one_run else ""),
-                "give every rank's LogHeader the run's one Layout" if one_run else _ONE_RUN,
-            )
-        if header.run_id != first.run_id:
-            raise _dir_fail(
-                directory,
-                f"{both} are of different runs; {_runs(headers)}",
-                f"{_ONE_RUN} (move each run's logs to a folder of its own)",
-            )
-        if header.config_digest != first.config_digest:
-            raise _dir_fail(
-                directory,
-                f"{both} differ in config_digest ({_show(first.config_digest)} and "
-                f"{_show(header.config_digest)}): differently configured runs",
-                _ONE_RUN,
-            )
-        if canonical_json(header.config) != canonical_json(first.config):
-            raise _dir_fail(
-                directory,
-                f"{both} have different configs: "
-                f"{canonical_json(first.config)[:80]} and {canonical_json(header.config)[:80]}",
-                _ONE_RUN,
-            )
-        if header.rank in seen:
-            # One run id: one run whose ranks were given the same header rank.
-            headers_fix = "give each rank's Recorder a LogHeader of its own global rank"
-            raise _dir_fail(
-                directory,
-                f"{seen[header.rank].name} and {path.name} are both rank {header.rank}"
-                + ("" if header.run_id is None else f" of run {header.run_id!r}"),
-                headers_fix if header.run_id is not None else f"{_ONE_RUN}, or {headers_fix}",
-            )
-        seen[header.rank] = path
-    missing = [rank for rank in range(world.world_size) if rank not in seen]
-    if missing and not allow_missing:
-        raise _dir_fail(
-            directory,
-            f"ranks {missing} of a world of {world.world_size} (pp={world.pp}, dp={world.dp}) "
-            "have no log",
-            "copy every rank's log into the directory",
-        )
-    return tuple(missing)
+    return _check_one_run(
+        [(path.name, header) for path, header in headers],
+        lambda problem, fix: _dir_fail(directory, problem, fix),
+        holder="the folder",
+        one_run=_ONE_RUN,
+        apart="move each run's logs to a folder of its own",
+        allow_missing=allow_missing,
+    )
+
+
+def check_dumpable(call: str, logs: Sequence[EffectLog]) -> None:
+    """Raise InvalidInputError unless `logs` are ranks of one run, as `check_same_run`
+    (so `load_logs` and `purepp check`) would find the folder they are written to.
+
+    Ranks with no log are let be, as `purepp check` lets them (a rank that died wrote
+    none); two logs of one rank, or of two worlds, runs or configs, are refused.
+    """
+    _check_one_run(
+        [(f"logs[{index}] (rank {log.header.rank})", log.header) for index, log in enumerate(logs)],
+        lambda problem, fix: InvalidInputError(call, problem, fix),
+        holder="logs",
+        one_run="pass the logs of one run",
+        apart="dump each run's logs into a folder of its own",
+        allow_missing=True,
+    )
 
 
 def load_logs(

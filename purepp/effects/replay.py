@@ -562,21 +562,26 @@ class PlaceholderInputs:
             return
         # The k-th call for a step comes before its k-th run (modulo: a replay again).
         calls = self._calls.get(step, 0)
-        self._calls[step] = calls + 1
         bound = target.bound_refs()
+        # Every input's layout is found, and every placeholder made, before any state
+        # changes: a refused call (InputShapeError) binds nothing and counts as no call.
+        made: list[tuple[BufferRef, object]] = []
         for name, need in runs[calls % len(runs)].items():
             if name in bound and target.tensor(name) is not self._bound.get(name):
                 continue  # the caller's own
             spec = self._spec(step, name, need)
             if isinstance(target, NumpyInterpreter):
-                target.bind(name, np.zeros(spec.shape, numpy_dtype(spec.dtype)))
+                made.append((name, np.zeros(spec.shape, numpy_dtype(spec.dtype))))
             else:
                 import torch
 
                 from purepp.effects.torch_kernels import torch_dtype
 
                 dtype = torch_dtype(spec.dtype)
-                target.bind(name, torch.zeros(spec.shape, dtype=dtype, device=target.device))
+                made.append((name, torch.zeros(spec.shape, dtype=dtype, device=target.device)))
+        self._calls[step] = calls + 1
+        for name, placeholder in made:
+            target.bind(name, placeholder)  # type: ignore[arg-type]
             self._bound[name] = target.tensor(name)  # what it holds now, to know it again
 
 
