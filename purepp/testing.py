@@ -41,7 +41,14 @@ import numpy as np
 import numpy.typing as npt
 
 from purepp import dp
-from purepp._checks import INT32_MAX, check_instance, check_int
+from purepp._checks import (
+    INT32_MAX,
+    check_bool,
+    check_instance,
+    check_int,
+    check_optional_int,
+    store_ints,
+)
 from purepp._text import a_type
 from purepp.batch import BatchFacts, need_sampled_mask
 from purepp.cudagraph import BatchExecutionDescriptor, CaptureMode, CudaGraphDispatcher
@@ -49,7 +56,7 @@ from purepp.effects.arrays import (
     ARRAY_EQ,
     IntArray,
     arrays_equal,
-    int32_array,
+    is_frozen,
     readonly,
     reduce_frozen,
 )
@@ -117,10 +124,76 @@ CAPTURE_SIZES = (1, 2, 4, 8)
 Int64Array: TypeAlias = npt.NDArray[np.int64]
 
 
-def _int64_array(values: npt.ArrayLike) -> Int64Array:
-    """Field converter: a read-only int64 copy (token ids are int64 on the wire)."""
-    out: Int64Array = readonly(values, np.int64)
-    return out
+def _checked_ints(
+    field: str, values: object, dtype: type[np.signedinteger[Any]]
+) -> npt.NDArray[Any]:
+    """A ReplicaStep array field as a read-only `dtype` array; a typed error for values
+    numpy's casting would change (floats truncated, bools, ints past `dtype`)."""
+    if type(values) is np.ndarray and values.dtype == dtype and is_frozen(values):
+        return values
+    fix = f"pass {field} as integers that fit {np.dtype(dtype).name} (a list or an int array)"
+    try:
+        given = np.asarray(values)
+    except (TypeError, ValueError) as error:  # a ragged list
+        raise InvalidInputError("ReplicaStep", f"{field} is no array: {error}", fix) from None
+    if given.size:
+        if given.dtype.kind not in "iu":
+            raise InvalidInputError("ReplicaStep", f"{field} holds {given.dtype} values", fix)
+        info = np.iinfo(dtype)
+        low, high = int(given.min()), int(given.max())
+        if low < info.min or high > info.max:
+            shown = low if low < info.min else high
+            raise InvalidInputError("ReplicaStep", f"{field} holds {shown}", fix)
+    return readonly(given, dtype)
+
+
+# Field converters, one per field so an error names it (token ids are int64 on the wire).
+def _sampled_tokens(values: npt.ArrayLike) -> Int64Array:
+    return _checked_ints("sampled_tokens", values, np.int64)
+
+
+def _drafts(values: npt.ArrayLike) -> Int64Array:
+    return _checked_ints("drafts", values, np.int64)
+
+
+def _num_sampled(values: npt.ArrayLike) -> IntArray:
+    return _checked_ints("num_sampled", values, np.int32)
+
+
+def _num_rejected(values: npt.ArrayLike) -> IntArray:
+    return _checked_ints("num_rejected", values, np.int32)
+
+
+def _check_replica_step(instance: ReplicaStep) -> None:
+    """A ReplicaStep built by hand fits its batch: a wrong one is refused here, not as a
+    raw numpy error (or as a rank phase's) halfway through a run."""
+    call = "ReplicaStep"
+    check_instance(call, "batch", instance.batch, BatchFacts)
+    store_ints(
+        instance,
+        step=check_int(call, "step", instance.step, 0),
+        replica=check_int(call, "replica", instance.replica, 0),
+        num_tokens=check_int(call, "num_tokens", instance.num_tokens, 0),
+        uniform_token_count=check_optional_int(
+            call, "uniform_token_count", instance.uniform_token_count, 1
+        ),
+    )
+    rows = instance.batch.num_reqs
+    tokens, drafts = instance.sampled_tokens, instance.drafts
+    shapes: tuple[tuple[str, bool, str], ...] = (
+        ("sampled_tokens", tokens.ndim == 2 and tokens.shape[0] == rows, f"[{rows}, k], k >= 1"),
+        ("num_sampled", instance.num_sampled.shape == (rows,), f"[{rows}]"),
+        ("num_rejected", instance.num_rejected.shape == (rows,), f"[{rows}]"),
+        ("drafts", drafts.ndim == 2 and drafts.shape[0] == rows, f"[{rows}, spec]"),
+    )
+    for field, fits, shape in shapes:
+        if not fits or (field == "sampled_tokens" and tokens.shape[1] < 1):
+            shown = list(getattr(instance, field).shape)
+            raise InvalidInputError(
+                call,
+                f"{field} has shape {shown} for a batch of {rows} rows",
+                f"pass {field} of shape {shape}, one row per batch row",
+            )
 
 
 _INT64_EQ = attrs.cmp_using(eq=arrays_equal, class_name="Int64Array")
@@ -231,20 +304,44 @@ class ReplicaStep:
     request_ids: tuple[int, ...]  # per batch row, the request that holds the row's slot
     batch: BatchFacts  # the batch, replicated on every stage
     # last stage: [n, width] int64
-    sampled_tokens: Int64Array = attrs.field(converter=_int64_array, eq=_INT64_EQ, hash=False)
+    sampled_tokens: Int64Array = attrs.field(converter=_sampled_tokens, eq=_INT64_EQ, hash=False)
     # last stage: [n] tokens kept per row
-    num_sampled: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
+    num_sampled: IntArray = attrs.field(converter=_num_sampled, eq=ARRAY_EQ, hash=False)
     # last stage: [n] drafts rejected per row
-    num_rejected: IntArray = attrs.field(converter=int32_array, eq=ARRAY_EQ, hash=False)
+    num_rejected: IntArray = attrs.field(converter=_num_rejected, eq=ARRAY_EQ, hash=False)
     # last stage: [n, spec] next drafts per row
-    drafts: Int64Array = attrs.field(converter=_int64_array, eq=_INT64_EQ, hash=False)
+    drafts: Int64Array = attrs.field(converter=_drafts, eq=_INT64_EQ, hash=False)
     num_tokens: int  # scheduled tokens (0: an idle replica)
     uniform_token_count: int | None  # tokens per row when every row decodes, else None
+
+    def __attrs_post_init__(self) -> None:
+        _check_replica_step(self)
 
     @property
     def samples(self) -> bool:
         """Whether some row produces a token (the relay moves data this step)."""
         return need_sampled_mask(self.batch) is not None
+
+
+def _check_fits(config: ScheduleConfig, step: int, replica: int, planned: ReplicaStep) -> None:
+    """`steps[step][replica]` of a Schedule is that step's and replica's, and its arrays
+    fit the config's speculation (ReplicaStep checked them against its batch)."""
+    spec = config.spec
+    problem = None
+    if (planned.step, planned.replica) != (step, replica):
+        problem = f"holds the ReplicaStep of step {planned.step}, replica {planned.replica}"
+    elif planned.drafts.shape[1] != spec:
+        problem = f"has drafts of shape {list(planned.drafts.shape)} but config.spec={spec}"
+    elif planned.sampled_tokens.shape[1] > spec + 1:
+        width = planned.sampled_tokens.shape[1]
+        problem = f"has sampled_tokens {width} wide but config.spec={spec} (at most spec + 1)"
+    if problem is not None:
+        raise InvalidInputError(
+            "Schedule",
+            f"steps[{step}][{replica}] {problem}",
+            f"give steps[{step}][{replica}] the ReplicaStep of step {step}, replica "
+            f"{replica}, with drafts [rows, {spec}] and 1 to {spec + 1} tokens a row",
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -275,6 +372,9 @@ class Schedule:
                 f"(config.steps x config.dp)",
                 "build schedules with make_schedule, or give one ReplicaStep per step and replica",
             )
+        for step, row in enumerate(steps):
+            for replica, planned in enumerate(row):
+                _check_fits(config, step, replica, planned)
 
     @property
     def world(self) -> Layout:
@@ -772,8 +872,14 @@ def simulate_schedule(
     overrun the ring, and `HeaderMismatchError` when a relay header check fails (see
     `purepp.effects.simulator.simulate`, also for `compare_steps`).
     """
-    check_instance("simulate_schedule", "schedule", schedule, Schedule)
-    _expect_steps_for("simulate_schedule", steps_for)
+    call = "simulate_schedule"
+    check_instance(call, "schedule", schedule, Schedule)
+    _expect_steps_for(call, steps_for)
+    # Checked here, so a wrong one is named as this call's and not as simulate's.
+    if max_steps_in_flight is not None:
+        fix = "allow at least one step in flight (an int), or leave it out"
+        check_int(call, "max_steps_in_flight", max_steps_in_flight, 1, fix=fix, config=True)
+    check_bool(call, "compare_steps", compare_steps, config=True)
     outputs: dict[int, RankOutputs] = {}
     result = simulate(
         schedule.world,
