@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from purepp.batch import need_sampled_mask
 from purepp.cudagraph import BatchExecutionDescriptor
 from purepp.effects import Effect
 from purepp.effects.simulator import RankContext, RankProgram, simulate
@@ -118,3 +119,41 @@ def test_overlapped_runner_matches_scripted() -> None:
         assert tuple(agreed[rank]) == ref.agreed
         assert tuple(consumed[rank]) == ref.consumed
     assert sum(len(v) for v in consumed.values()) > 0
+
+
+def test_overlapped_runner_drops_exactly_the_rows_freed_in_flight() -> None:
+    """An oracle of its own (field failure 8): an entry sampled at step r is consumed at
+    r + pp, keeping each sampled row's slot unless a step in between freed it, with the
+    last stage's tokens and counts; every such entry with a kept row is consumed."""
+    schedule = make_schedule(ScheduleConfig(pp=3, dp=2, spec=2, steps=20, seed=5))
+    consumed: dict[int, list[ConsumedStep]] = {}
+    simulate(schedule.world, _overlapped(schedule, consumed, {}))
+    pp, checked = schedule.config.pp, 0
+    for rank, entries in consumed.items():
+        if schedule.world.pp_stage(rank) == pp - 1:
+            assert not entries
+            continue
+        replica = schedule.world.dp_index(rank)
+        by_step = {entry.received_at_step: entry for entry in entries}
+        for sent in range(schedule.config.steps - pp):
+            planned = schedule.at(sent, replica)
+            freed = {s for k in range(sent + 1, sent + pp) for s in schedule.at(k, replica).freed}
+            mask = need_sampled_mask(planned.batch)
+            expected = [
+                slot if slot not in freed and (mask is None or bool(mask[row])) else -1
+                for row, slot in enumerate(planned.batch.idx_mapping.tolist())
+            ]
+            if not planned.samples or all(slot == -1 for slot in expected):
+                assert sent not in by_step
+                continue
+            entry = by_step[sent]
+            assert entry.step == sent + pp
+            assert list(entry.idx_mapping) == expected
+            assert entry.num_sampled == tuple(planned.num_sampled.tolist())
+            width = planned.sampled_tokens.shape[1]
+            for row, slot in enumerate(expected):
+                if slot != -1:
+                    got = entry.sampled_tokens[row][:width]
+                    assert got == tuple(planned.sampled_tokens[row].tolist())
+            checked += 1
+    assert checked > 10
