@@ -549,6 +549,19 @@ def _expect_steps_for(call: str, steps_for: object) -> None:
         )
 
 
+def _steps_of(call: str, steps_for: Callable[[int], RankSteps], rank: int) -> RankSteps:
+    """`steps_for(rank)`, refused in `call`'s name unless a RankSteps: None would run
+    the real steps for a runner that forgot its return."""
+    steps = steps_for(rank)
+    if not isinstance(steps, RankSteps):
+        raise InvalidInputError(
+            call,
+            f"steps_for returned {a_type(steps)} for rank {rank}",
+            "return a RankSteps for every rank (REAL_STEPS for a rank that keeps the real steps)",
+        )
+    return steps
+
+
 def make_schedule(config: ScheduleConfig) -> Schedule:
     """The schedule `config` describes: equal configs give equal schedules, anywhere."""
     check_instance("make_schedule", "config", config, ScheduleConfig)
@@ -832,19 +845,36 @@ def scripted_program(
 
     `steps_for(rank)` picks the pure steps of each rank (a broken variant, in tests).
     """
-    check_instance("scripted_program", "schedule", schedule, Schedule)
-    _expect_steps_for("scripted_program", steps_for)
+    return _scripted_program("scripted_program", schedule, outputs, steps_for)
+
+
+def _scripted_program(
+    call: str,
+    schedule: Schedule,
+    outputs: dict[int, RankOutputs] | None,
+    steps_for: Callable[[int], RankSteps],
+) -> RankProgram:
+    """`scripted_program`, whose errors name `call` (the public function called)."""
+    check_instance(call, "schedule", schedule, Schedule)
+    _expect_steps_for(call, steps_for)
+    if outputs is not None and not isinstance(outputs, dict):
+        raise InvalidInputError(
+            call,
+            f"outputs is {a_type(outputs)}",
+            "pass a dict (each rank's RankOutputs lands under its rank), or leave it out",
+        )
 
     def program(context: RankContext) -> Iterator[tuple[Effect, ...]]:
         if context.world != schedule.world:
             raise ConfigError(
-                "scripted_program",
+                call,
                 f"the simulated world is pp={context.world.pp}, dp={context.world.dp} but the "
                 f"schedule's is pp={schedule.world.pp}, dp={schedule.world.dp}",
                 "simulate the schedule's own world (schedule.world)",
             )
         io = NumpyTensors(context.interpreter)
-        ran = yield from scripted_rank_effects(schedule, context.rank, io, steps_for(context.rank))
+        steps = _steps_of(call, steps_for, context.rank)
+        ran = yield from scripted_rank_effects(schedule, context.rank, io, steps)
         if outputs is not None:
             outputs[context.rank] = ran
 
@@ -883,7 +913,7 @@ def simulate_schedule(
     outputs: dict[int, RankOutputs] = {}
     result = simulate(
         schedule.world,
-        scripted_program(schedule, outputs=outputs, steps_for=steps_for),
+        _scripted_program(call, schedule, outputs, steps_for),
         max_steps_in_flight=max_steps_in_flight,
         compare_steps=compare_steps,
     )
@@ -969,7 +999,7 @@ def record_scripted_logs(
     check_instance("record_scripted_logs", "schedule", schedule, Schedule)
     _expect_steps_for("record_scripted_logs", steps_for)
     return tuple(
-        record_scripted_rank(schedule, rank, steps_for(rank))
+        record_scripted_rank(schedule, rank, _steps_of("record_scripted_logs", steps_for, rank))
         for rank in range(schedule.world.world_size)
     )
 

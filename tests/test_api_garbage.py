@@ -845,7 +845,7 @@ CASES: dict[str, Case] = {
     "record_scripted_logs steps_for's answer": (
         lambda: record_scripted_logs(SCHEDULE, steps_for=lambda rank: 3),  # type: ignore[arg-type,return-value]
         InvalidInputError,
-        "begin: steps is an int",
+        "record_scripted_logs: steps_for returned an int for rank 0",
     ),
     "record_scripted_rank": (
         lambda: record_scripted_rank("schedule", 0),  # type: ignore[arg-type]

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import numpy as np
 import pytest
 
 from purepp.errors import ConfigError, InvalidInputError, PureppError
+from purepp.rank import RankSteps
 from purepp.testing import (
+    RankOutputs,
     ReplicaStep,
     Schedule,
     ScheduleConfig,
     make_schedule,
     record_scripted_logs,
+    scripted_program,
     simulate_schedule,
 )
 
@@ -98,3 +101,34 @@ def test_simulate_schedule_names_itself_for_its_own_arguments(given: dict[str, A
     with pytest.raises(ConfigError) as raised:
         simulate_schedule(make_schedule(_CONFIG), **given)
     assert raised.value.call == "simulate_schedule"
+
+
+def _no_steps(rank: int) -> RankSteps:
+    """A steps_for that forgot its return (mypy would say so; a runner's test may not)."""
+    return cast(RankSteps, None)
+
+
+@pytest.mark.parametrize("run", ["simulate_schedule", "record_scripted_logs"])
+@pytest.mark.parametrize("returned", ["none", "str"])
+def test_a_steps_for_that_returns_no_rank_steps_is_named(run: str, returned: str) -> None:
+    """A steps_for returning None silently ran the real steps (a broken-step test passing
+    for nothing, or failing far from its cause); one returning another value was refused
+    as `begin`'s `steps`, a call the caller never made."""
+    schedule = make_schedule(_CONFIG)
+    steps_for = _no_steps if returned == "none" else (lambda rank: cast(RankSteps, "x"))
+    runs: dict[str, Callable[[], object]] = {
+        "simulate_schedule": lambda: simulate_schedule(schedule, steps_for=steps_for),
+        "record_scripted_logs": lambda: record_scripted_logs(schedule, steps_for=steps_for),
+    }
+    with pytest.raises(InvalidInputError, match="steps_for") as raised:
+        runs[run]()
+    assert raised.value.call == run
+    assert "rank 0" in raised.value.problem
+
+
+def test_scripted_program_refuses_outputs_that_are_no_dict_before_the_run() -> None:
+    """outputs=[] was a raw IndexError once every rank had run."""
+    schedule = make_schedule(_CONFIG)
+    with pytest.raises(InvalidInputError, match="outputs") as raised:
+        scripted_program(schedule, outputs=cast(dict[int, RankOutputs], []))
+    assert raised.value.call == "scripted_program"
