@@ -47,6 +47,7 @@ from purepp._checks import (
     check_instance,
     check_int,
     check_optional_int,
+    host_array,
     store_ints,
 )
 from purepp._text import a_type
@@ -132,10 +133,7 @@ def _checked_ints(
     if type(values) is np.ndarray and values.dtype == dtype and is_frozen(values):
         return values
     fix = f"pass {field} as integers that fit {np.dtype(dtype).name} (a list or an int array)"
-    try:
-        given = np.asarray(values)
-    except (TypeError, ValueError) as error:  # a ragged list
-        raise InvalidInputError("ReplicaStep", f"{field} is no array: {error}", fix) from None
+    given = host_array("ReplicaStep", field, values, fix=fix)  # a ragged list is refused
     if given.size:
         if given.dtype.kind not in "iu":
             raise InvalidInputError("ReplicaStep", f"{field} holds {given.dtype} values", fix)
